@@ -1,0 +1,29 @@
+"""fastspec: how many dimensions do your activations really use? (see SPEC.md)
+
+Public API:
+    fastspec.Covariance       streaming per-site n, Σx, Σxxᵀ accumulator
+    fastspec.eigvalsh         batched symmetric eigenvalues (drop-in for torch.linalg.eigvalsh)
+    fastspec.metrics          participation ratio, entropy rank, SUI, eDim, ... (SPEC §3)
+    fastspec.fit_power_law    log-log least squares across widths (SPEC §4)
+    fastspec.tail_index       spectral tail exponent over a rank window (SPEC §4)
+"""
+from . import metrics
+from .covariance import Covariance
+from .eig import backends, eigvalsh
+from .fits import PowerLawFit, TailFit, fit_power_law, tail_index
+from .metrics import SpectrumMetrics, summarize
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Covariance",
+    "PowerLawFit",
+    "SpectrumMetrics",
+    "TailFit",
+    "backends",
+    "eigvalsh",
+    "fit_power_law",
+    "metrics",
+    "summarize",
+    "tail_index",
+]

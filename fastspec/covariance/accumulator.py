@@ -1,0 +1,332 @@
+"""``fastspec.Covariance``: streaming per-site accumulator of ``n, Σx, Σxxᵀ`` (SPEC.md §1).
+
+State per site, on the device of the data, with no host sync on :meth:`Covariance.update`:
+
+    n        [*sites]         int64   rows merged
+    mean     [*sites, D]      float64 running mean (track_mean=True)
+    m2       [*sites, D, D]   float64 centered sum Σ(x − mean)(x − mean)ᵀ (track_mean=True)
+    gram     [*sites, D, D]   float64 raw Σxxᵀ (track_mean=False)
+    sum      [*sites, D]      float64 raw Σx (track_mean=False)
+    rejected [*sites]         int64   rows refused because they held NaN/Inf
+
+Each update is reduced to FP32 partials centered on the chunk mean (a Triton kernel on CUDA,
+plain torch elsewhere) and merged into the float64 totals with Chan's parallel-variance
+correction. Centering per chunk keeps large-mean channels accurate; float64 totals and int64
+counts keep long streams from stalling (an FP32 running sum stops moving after ~2^24 similar
+additions). Memory is O(sites·D²): 8 bytes per entry of each D×D matrix.
+
+NaN/Inf: a row whose D values are not all finite is *not* merged for that site; it is counted
+in ``rejected`` (and reported in :meth:`Covariance.metrics`). :meth:`check_finite` raises if any
+row was refused (it syncs; call it when you want to stop on bad data).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..metrics import SpectrumMetrics, summarize
+from .dispatch import check_backend, select_partials
+from .reference import CovPartials
+
+CONVENTIONS = ("eig", "sv")
+
+
+def _shape_arg(dim: Any) -> tuple[int, ...]:
+    shape = (dim,) if isinstance(dim, int) and not isinstance(dim, bool) else tuple(dim)
+    if not shape or any(not isinstance(d, int) or isinstance(d, bool) or d < 1 for d in shape):
+        raise ValueError(f"dim: expected D or a tuple (*sites, D) of positive ints, got {dim!r}")
+    return shape
+
+
+def _as_bt(x: Tensor, lead: int, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """View the ``lead`` leading row axes of x (and of mask) as two axes ``[B, T]``.
+
+    T keeps its own stride, so row sampling along T and HF layouts need no copy; axes before
+    T are flattened (a copy only if their strides do not allow a view).
+    """
+    if lead == 1:
+        return x.unsqueeze(0), None if mask is None else mask.unsqueeze(0)
+    if lead > 2:
+        x = x.flatten(0, lead - 2)
+        mask = None if mask is None else mask.flatten(0, lead - 2)
+    return x, mask
+
+
+class Covariance:
+    """Streaming covariance of activation rows, batched over sites.
+
+    Args:
+        dim: ``D`` or ``(*sites, D)``, e.g. ``(H, D)`` for H heads of width D.
+        device: where the state lives; default: the device of the first update.
+        track_mean: keep the centered covariance (needed by the ``eig`` convention). With
+            ``False`` only raw ``Σx``/``Σxxᵀ`` are kept (the ``sv`` convention), and the update
+            skips centering.
+        backend: ``"auto"`` (Triton on CUDA tensors when available, torch elsewhere),
+            ``"torch"`` or ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``).
+
+    Example::
+
+        cov = fastspec.Covariance((8, 128))        # 8 KV heads of width 128
+        cov.update(keys.transpose(1, 2))            # keys [B, H, T, D] -> [B, T, H, D] view
+        cov.metrics("sv").participation_ratio       # [8]
+    """
+
+    def __init__(self, dim: int | tuple[int, ...], *, device: torch.device | str | None = None,
+                 track_mean: bool = True, backend: str = "auto"):
+        shape = _shape_arg(dim)
+        self.sites: tuple[int, ...] = shape[:-1]
+        self.D: int = shape[-1]
+        self.track_mean = bool(track_mean)
+        self.backend = check_backend(backend)
+        self._device = None if device is None else torch.device(device)
+        self._state: dict[str, Tensor] | None = None
+        if self._device is not None:
+            self._init_state(self._device)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def num_sites(self) -> int:
+        return math.prod(self.sites)
+
+    @property
+    def device(self) -> torch.device | None:
+        return self._device
+
+    def _init_state(self, device: torch.device) -> None:
+        S, D = self.num_sites, self.D
+        f64 = dict(dtype=torch.float64, device=device)
+        st = {
+            "n": torch.zeros(S, dtype=torch.int64, device=device),
+            "rejected": torch.zeros(S, dtype=torch.int64, device=device),
+        }
+        if self.track_mean:
+            st["mean"] = torch.zeros(S, D, **f64)
+            st["m2"] = torch.zeros(S, D, D, **f64)
+        else:
+            st["sum"] = torch.zeros(S, D, **f64)
+            st["gram"] = torch.zeros(S, D, D, **f64)
+        self._state = st
+        self._device = device
+
+    def _require_data(self) -> dict[str, Tensor]:
+        if self._state is None:
+            raise RuntimeError("Covariance has seen no data yet: call update(x) first")
+        return self._state
+
+    def reset(self) -> None:
+        """Zero every accumulator (the device and settings stay)."""
+        if self._state is not None:
+            for t in self._state.values():
+                t.zero_()
+
+    def _out(self, t: Tensor, trailing: int) -> Tensor:
+        return t.reshape(*self.sites, *t.shape[t.dim() - trailing:])
+
+    @property
+    def n(self) -> Tensor:
+        """Rows merged per site, ``[*sites]`` int64."""
+        return self._out(self._require_data()["n"], 0)
+
+    @property
+    def rejected(self) -> Tensor:
+        """Rows refused per site because they held NaN/Inf, ``[*sites]`` int64."""
+        return self._out(self._require_data()["rejected"], 0)
+
+    def check_finite(self) -> None:
+        """Raise ``ValueError`` naming the sites that refused NaN/Inf rows (host sync)."""
+        rej = self.rejected
+        bad = rej.nonzero().tolist()
+        if bad:
+            detail = ", ".join(f"site {tuple(i)}: {int(rej[tuple(i)])} rows" for i in bad[:8])
+            raise ValueError(f"x: NaN/Inf activations were refused ({detail}"
+                             f"{', ...' if len(bad) > 8 else ''})")
+
+    # ----------------------------------------------------------------- update
+    def _check_update(self, x: Tensor, mask: Tensor | None, row_step: int) -> int:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+        if x.is_complex() or not x.is_floating_point():
+            raise TypeError(f"x: expected a real floating dtype (bf16/fp16/fp32/fp64), got {x.dtype}")
+        trailing = (*self.sites, self.D)
+        lead = x.dim() - len(trailing)
+        if lead < 1 or tuple(x.shape[lead:]) != trailing:
+            raise ValueError(f"x: expected shape [N, {', '.join(map(str, trailing))}] (any number of "
+                             f"leading row axes), got {list(x.shape)}")
+        if x.numel() == 0:
+            raise ValueError(f"x: empty update (shape {list(x.shape)}); pass at least one row")
+        if self._device is not None and x.device != self._device:
+            raise ValueError(f"x: is on {x.device} but this Covariance lives on {self._device}")
+        if mask is not None:
+            if not isinstance(mask, Tensor):
+                raise TypeError(f"mask: expected a bool tensor, got {type(mask).__name__}")
+            if tuple(mask.shape) != tuple(x.shape[:lead]):
+                raise ValueError(f"mask: expected shape {list(x.shape[:lead])} (the row axes of x), "
+                                 f"got {list(mask.shape)}")
+            if mask.device != x.device:
+                raise ValueError(f"mask: is on {mask.device}, x is on {x.device}")
+        if not isinstance(row_step, int) or isinstance(row_step, bool) or row_step < 1:
+            raise ValueError(f"row_step: expected an int >= 1, got {row_step!r}")
+        return lead
+
+    def update(self, x: Tensor, mask: Tensor | None = None, *, row_step: int = 1) -> "Covariance":
+        """Merge rows ``x: [*rows, *sites, D]`` (e.g. ``[N, D]``, ``[B, T, H, D]``).
+
+        Args:
+            x: activations in any float dtype and any strides; never copied to fp32 on CUDA.
+            mask: optional bool ``[*rows]``; rows where it is False (padding) are not counted.
+            row_step: keep every k-th row along the last row axis (token sampling).
+        """
+        lead = self._check_update(x, mask, row_step)
+        if self._state is None:
+            self._init_state(x.device)
+        if mask is not None and mask.dtype != torch.bool:
+            mask = mask != 0
+        xs = x.reshape(*x.shape[:lead], self.num_sites, self.D) if self.sites else x.unsqueeze(-2)
+        x4, m2d = _as_bt(xs, lead, mask)
+        part = select_partials(self.backend, x4)(x4, m2d, row_step, self.track_mean)
+        self._merge_partials(part)
+        return self
+
+    def _merge_partials(self, p: CovPartials) -> None:
+        st = self._state
+        nb = p.n.to(torch.int64)
+        st["rejected"] += p.rejected.to(torch.int64)
+        s64, G64, c64 = p.s.double(), p.G.double(), p.c.double()
+        if not self.track_mean:
+            # raw sums: Σx = Σ(x−c) + n c, Σxxᵀ = G + c sᵀ + s cᵀ + n c cᵀ (c is 0 unless a kernel shifted)
+            nbf = nb.double()[:, None]
+            st["sum"] += s64 + nbf * c64
+            cs = c64[:, :, None] * s64[:, None, :]
+            st["gram"] += G64 + cs + cs.transpose(1, 2) + nbf[..., None] * c64[:, :, None] * c64[:, None, :]
+            st["n"] += nb
+            return
+        nbf = nb.double().clamp_min(1)[:, None]
+        mean_b = c64 + s64 / nbf
+        m2_b = G64 - s64[:, :, None] * s64[:, None, :] / nbf[..., None]
+        self._chan_merge(st, nb, mean_b, m2_b)
+
+    @staticmethod
+    def _chan_merge(st: dict[str, Tensor], nb: Tensor, mean_b: Tensor, m2_b: Tensor) -> None:
+        """Chan et al.: merge (nb, mean_b, m2_b) into the running (n, mean, m2), in place."""
+        na = st["n"].double()
+        nbd = nb.double()
+        n = (na + nbd).clamp_min(1)
+        delta = mean_b - st["mean"]
+        st["mean"] += delta * (nbd / n)[:, None]
+        st["m2"] += m2_b + delta[:, :, None] * delta[:, None, :] * (na * nbd / n)[:, None, None]
+        st["n"] += nb
+
+    def merge(self, other: "Covariance") -> "Covariance":
+        """Add another accumulator's rows into this one, exactly (SPEC §1)."""
+        if not isinstance(other, Covariance):
+            raise TypeError(f"other: expected a fastspec.Covariance, got {type(other).__name__}")
+        if (other.sites, other.D, other.track_mean) != (self.sites, self.D, self.track_mean):
+            raise ValueError(f"other: shape/track_mean {(*other.sites, other.D)}/{other.track_mean} "
+                             f"does not match {(*self.sites, self.D)}/{self.track_mean}")
+        if other._state is None:
+            return self
+        if self._state is None:
+            self._init_state(other._device)
+        ost = {k: v.to(self._device) for k, v in other._state.items()}
+        self._state["rejected"] += ost["rejected"]
+        if self.track_mean:
+            self._chan_merge(self._state, ost["n"], ost["mean"], ost["m2"])
+        else:
+            for k in ("n", "sum", "gram"):
+                self._state[k] += ost[k]
+        return self
+
+    # ---------------------------------------------------------------- results
+    @property
+    def mean(self) -> Tensor:
+        """Per-site mean ``Σx / n``, ``[*sites, D]`` float64."""
+        st = self._require_data()
+        if self.track_mean:
+            return self._out(st["mean"], 1)
+        return self._out(st["sum"] / st["n"].double().clamp_min(1)[:, None], 1)
+
+    def gram(self) -> Tensor:
+        """``G = Σxxᵀ = XᵀX`` per site, ``[*sites, D, D]`` float64."""
+        st = self._require_data()
+        if self.track_mean:
+            m = st["mean"]
+            g = st["m2"] + st["n"].double()[:, None, None] * m[:, :, None] * m[:, None, :]
+        else:
+            g = st["gram"]
+        return self._out(g, 2)
+
+    def second_moment(self) -> Tensor:
+        """Uncentered ``M = G / n``, ``[*sites, D, D]`` float64 (NaN where n = 0)."""
+        n = self._require_data()["n"].double()
+        return self.gram() / self._out(n, 0)[..., None, None]
+
+    def covariance(self, unbiased: bool = True) -> Tensor:
+        """Centered ``C = (G − s sᵀ/n)/(n − 1)`` (or ``/n``), ``[*sites, D, D]`` float64."""
+        st = self._require_data()
+        if not self.track_mean:
+            raise ValueError("covariance() needs track_mean=True; this accumulator keeps only raw "
+                             "sums (use second_moment() or gram(), or the 'sv' convention)")
+        n = st["n"].double() - (1 if unbiased else 0)
+        return self._out(st["m2"] / n[:, None, None], 2)
+
+    def participation_ratio(self) -> Tensor:
+        """``eig``-convention PR without an eigensolve: ``tr(C)² / ‖C‖_F²`` (SPEC §3), ``[*sites]``."""
+        st = self._require_data()
+        if not self.track_mean:
+            raise ValueError("participation_ratio() is the eig convention and needs track_mean=True")
+        m2 = st["m2"]
+        pr = torch.diagonal(m2, dim1=-2, dim2=-1).sum(-1).square() / m2.square().sum((-2, -1))
+        return self._out(pr, 0)
+
+    def spectrum(self, convention: str = "eig", *, dtype: torch.dtype | None = None) -> Tensor:
+        """Spectrum per site, sorted descending, ``[*sites, D]``.
+
+        ``eig``: eigenvalues of the unbiased centered covariance. ``sv``: singular values of the
+        raw uncentered data matrix, ``σ = sqrt(λ(G))`` (SPEC §2). ``dtype`` is the precision of
+        the eigensolve: default float32 on CUDA (the fast batched solver) and float64 elsewhere.
+        """
+        from ..eig import eigvalsh
+
+        if convention not in CONVENTIONS:
+            raise ValueError(f"convention: expected one of {CONVENTIONS}, got {convention!r}")
+        st = self._require_data()
+        if dtype is None:
+            dtype = torch.float32 if st["n"].is_cuda else torch.float64
+        mat = self.covariance() if convention == "eig" else self.gram()
+        lam = eigvalsh(mat.to(dtype)).flip(-1).clamp_min(0)
+        return lam.sqrt() if convention == "sv" else lam
+
+    def metrics(self, convention: str = "eig", *, dtype: torch.dtype | None = None) -> SpectrumMetrics:
+        """Every SPEC §3 metric per site (each ``[*sites]``), plus ``n`` and ``rejected``."""
+        m = summarize(self.spectrum(convention, dtype=dtype))
+        return SpectrumMetrics(**{**m.as_dict(), "n": self.n, "rejected": self.rejected})
+
+    # ------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """Accumulators and settings; tensors are the live ones (clone to snapshot)."""
+        return {
+            "dim": (*self.sites, self.D),
+            "track_mean": self.track_mean,
+            "state": None if self._state is None else dict(self._state),
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict`; the shape and ``track_mean`` must match."""
+        if tuple(sd.get("dim", ())) != (*self.sites, self.D) or sd.get("track_mean") != self.track_mean:
+            raise ValueError(f"state_dict: dim/track_mean {sd.get('dim')}/{sd.get('track_mean')} do "
+                             f"not match {(*self.sites, self.D)}/{self.track_mean}")
+        state = sd["state"]
+        if state is None:
+            self._state = None
+            return
+        device = self._device or next(iter(state.values())).device
+        self._state = {k: v.detach().to(device).clone() for k, v in state.items()}
+        self._device = device
+
+    def __repr__(self) -> str:
+        where = "empty" if self._state is None else str(self._device)
+        return (f"Covariance(dim={(*self.sites, self.D)}, track_mean={self.track_mean}, "
+                f"backend={self.backend!r}, {where})")
