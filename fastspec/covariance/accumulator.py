@@ -123,7 +123,7 @@ class Covariance:
                 t.zero_()
 
     def _out(self, t: Tensor, trailing: int) -> Tensor:
-        return t.reshape(*self.sites, *t.shape[t.dim() - trailing:])
+        return t.reshape((*self.sites, *t.shape[t.dim() - trailing:]))
 
     @property
     def n(self) -> Tensor:
