@@ -6,18 +6,22 @@ Public API:
     fastspec.metrics          participation ratio, entropy rank, SUI, eDim, ... (SPEC §3)
     fastspec.fit_power_law    log-log least squares across widths (SPEC §4)
     fastspec.tail_index       spectral tail exponent over a rank window (SPEC §4)
+    fastspec.Probe            per-layer/per-head metrics from a live (HF) model (SPEC §5)
 """
 from . import metrics
 from .covariance import Covariance
 from .eig import backends, eigvalsh
 from .fits import PowerLawFit, TailFit, fit_power_law, tail_index
 from .metrics import SpectrumMetrics, summarize
+from .probe import Probe, Record
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Covariance",
     "PowerLawFit",
+    "Probe",
+    "Record",
     "SpectrumMetrics",
     "TailFit",
     "backends",

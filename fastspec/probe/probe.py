@@ -1,0 +1,589 @@
+"""``fastspec.Probe``: per-layer, per-head spectral metrics from a live PyTorch / HF model.
+
+Sites (SPEC §5):
+
+* ``keys`` / ``queries``: what attention sees, after Q/K-norm and RoPE, per KV head (keys) or
+  query head (queries), ``[B, T, H, d_head]`` rows, intercepted at the attention function
+  (``hf_attention.py``) whatever backend the model uses.
+* ``keys_prerope``: keys after ``k_norm`` (or ``k_proj``) and before RoPE, for comparison.
+* ``ffn``: the input of the down projection, ``[B, T, d_ff]`` (forward pre-hook).
+* ``modules``: any module by name pattern (:class:`ModuleSite`).
+* ``gamma_k`` / ``gamma_q``: coefficient of variation of the Q/K-norm weight γ per layer.
+
+Only tokens the 2-D ``attention_mask`` of the model call keeps are counted (padding is not).
+A capture counts only while the probed model's own ``forward`` is running, so the forward that
+activation checkpointing recomputes during backward is never counted twice. Captures run under
+``no_grad`` with autocast off and read the activations without changing them: the model's
+outputs and gradients are bitwise the same with and without the probe.
+
+Schedules: :meth:`Probe.measure` (eval protocol) and streaming (:meth:`Probe.attach`,
+:meth:`Probe.step`), see their docstrings. Records and their async hand-off: ``record.py``.
+"""
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import inspect
+import re
+import warnings
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from ..metrics import summarize
+from . import hf_attention
+from .budget import OverheadBudget, WorkTimer
+from .distributed import all_reduce_covariance, is_distributed
+from .families import DEFAULT_FAMILY, FAMILIES, Family
+from .record import PendingRecords, Record, RecordKey
+from .sites import CONVENTIONS, Accumulator, Collector, ModuleSite, as_bool_mask, first_tensor, layer_of
+
+# per-site metrics, in record order (SpectrumMetrics field names, SPEC §3)
+SPECTRUM_METRICS = (
+    "participation_ratio", "hard_rank_normalized", "entropy_rank", "soft_rank_normalized",
+    "spectral_concentration", "sui", "effective_dim", "utilization", "ghost_dims",
+    "top1_share", "top10pct_share",
+)
+SYNC_MODES = ("all", "rank0", "none")
+
+
+def _check_flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected True or False, got {value!r}")
+    return value
+
+
+def _check_pos_int(name: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+    return value
+
+
+def _unwrap_compiled(model: nn.Module) -> tuple[nn.Module, bool]:
+    """``torch.compile(model)`` returns a wrapper around the eager module: probe the eager one."""
+    orig = getattr(model, "_orig_mod", None)
+    if isinstance(orig, nn.Module):
+        return orig, True
+    return model, getattr(model, "_compiled_call_impl", None) is not None
+
+
+class Probe:
+    """Spectral probes on a model: ``probe.measure(batch, step=s)`` -> list of :class:`Record`.
+
+    Args:
+        model: an ``nn.Module``; attention sites need a Hugging Face ``PreTrainedModel``
+            (a family listed in ``fastspec.probe.FAMILIES``, or any model using the attention
+            interface); FFN sites need a known family; ``modules`` work on any module.
+        keys, queries, ffn, prerope_keys: which built-in sites to probe.
+        modules: extra sites: a glob, a :class:`ModuleSite`, or a list of them.
+        key_convention: ``"sv"`` (SPEC §5 key rank, raw singular values) or ``"eig"``; also
+            used for queries and pre-RoPE keys.
+        ffn_convention: ``"eig"`` (SPEC §5 FFN protocol) or ``"sv"``.
+        backend: covariance update backend (``"auto"``, ``"torch"``, ``"triton"``).
+        every: streaming: capture the forwards of one step in ``every``.
+        emit_every: streaming: compute metrics every ``emit_every`` calls of :meth:`step`.
+        reset: streaming: zero the accumulators after each emission (``False``: running totals).
+        row_step: token sampling: keep every ``row_step``-th token of each sequence.
+        budget: streaming overhead budget as a fraction of step time (e.g. ``0.01``); the
+            capture interval adapts to stay under it (``budget.py``). ``None``: no adaptation.
+        sync: under ``torch.distributed``: ``"all"`` ranks get the global metrics, only
+            ``"rank0"``, or ``"none"`` (each rank its own tokens).
+        process_group: the data-parallel group to merge over (default: the world).
+        tp_rank: tensor-parallel rank; head indices become ``tp_rank * H_local + h``.
+        clock: host clock for the overhead timer (seconds; default ``time.perf_counter``).
+
+    Example::
+
+        probe = fastspec.Probe(model)                      # keys (sv PR per head) + FFN
+        records = probe.measure(eval_batch, step=step)     # eval protocol, every N steps
+        df = probe.to_dataframe()
+    """
+
+    def __init__(self, model: nn.Module, *, keys: bool = True, queries: bool = False, ffn: bool = True,
+                 prerope_keys: bool = False, modules=None, key_convention: str = "sv",
+                 ffn_convention: str = "eig", backend: str = "auto", every: int = 1,
+                 emit_every: int = 100, reset: bool = True, row_step: int = 1,
+                 budget: float | None = None, sync: str = "all", process_group=None,
+                 tp_rank: int = 0, clock: Callable[[], float] | None = None):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        self.keys, self.queries = _check_flag("keys", keys), _check_flag("queries", queries)
+        self.ffn, self.prerope_keys = _check_flag("ffn", ffn), _check_flag("prerope_keys", prerope_keys)
+        self.reset_after_emit = _check_flag("reset", reset)
+        for name, conv in (("key_convention", key_convention), ("ffn_convention", ffn_convention)):
+            if conv not in CONVENTIONS:
+                raise ValueError(f"{name}: expected one of {CONVENTIONS}, got {conv!r}")
+        if sync not in SYNC_MODES:
+            raise ValueError(f"sync: expected one of {SYNC_MODES}, got {sync!r}")
+        if not isinstance(tp_rank, int) or isinstance(tp_rank, bool) or tp_rank < 0:
+            raise ValueError(f"tp_rank: expected an int >= 0, got {tp_rank!r}")
+        from ..covariance.dispatch import check_backend
+
+        self.backend = check_backend(backend)
+        self.key_convention, self.ffn_convention = key_convention, ffn_convention
+        self.emit_every = _check_pos_int("emit_every", emit_every)
+        self.row_step = _check_pos_int("row_step", row_step)
+        self.sync, self.process_group, self.tp_rank = sync, process_group, tp_rank
+        self._budget = OverheadBudget(budget, _check_pos_int("every", every))
+        self._timer = WorkTimer(clock)
+        self.model, self._compiled = _unwrap_compiled(model)
+        self.module_sites = self._module_sites(modules)
+        self.family = self._resolve_family()
+
+        self._stream = Collector(self.backend)
+        self._target: Collector | None = None   # where captures go right now
+        self._depth = 0                          # >0 while the model's own forward runs
+        self._mask: Tensor | None = None
+        self._handles: list | None = None
+        self._streaming = False
+        self._steps_seen = 0
+        self._capture_this_step = True
+        self._last_step_t: float | None = None
+        self._history: list[Record] = []
+        self._pending: list[PendingRecords] = []
+        self._forward_sig = self._signature(self.model)
+
+    # ------------------------------------------------------------ configuration
+    @staticmethod
+    def _module_sites(modules) -> tuple[ModuleSite, ...]:
+        if modules is None:
+            return ()
+        items = [modules] if isinstance(modules, (str, ModuleSite)) else list(modules)
+        out = []
+        for m in items:
+            if isinstance(m, str):
+                m = ModuleSite(m)
+            if not isinstance(m, ModuleSite):
+                raise TypeError(f"modules: expected glob strings or ModuleSite, got {type(m).__name__}")
+            out.append(m)
+        return tuple(out)
+
+    def _resolve_family(self) -> Family | None:
+        config = getattr(self.model, "config", None)
+        model_type = getattr(config, "model_type", None)
+        if model_type is None:
+            if self.keys or self.queries or self.prerope_keys or self.ffn:
+                raise ValueError("model: keys/queries/ffn/prerope_keys sites need a Hugging Face model "
+                                 "(with .config.model_type); for other models pass keys=False, ffn=False "
+                                 "and choose sites with modules=")
+            return None
+        family = FAMILIES.get(model_type)
+        if family is None:
+            warnings.warn(f"fastspec.Probe: model_type {model_type!r} is not in fastspec.probe.FAMILIES; "
+                          f"assuming the Llama layout for FFN/Q-K-norm sites (see README: adding a family)",
+                          stacklevel=3)
+            family = DEFAULT_FAMILY
+        if self.prerope_keys and family.k_norm is None and family.k_proj is None:
+            raise ValueError(f"prerope_keys: {model_type!r} has no rotary embedding, so its keys are "
+                             f"already pre-RoPE; use keys=True")
+        return family
+
+    @staticmethod
+    def _signature(model: nn.Module):
+        try:
+            return inspect.signature(model.forward)
+        except (TypeError, ValueError):
+            return None
+
+    # ------------------------------------------------------------------ capture
+    def _mask_for(self, x: Tensor) -> Tensor | None:
+        """``[B, T]`` keep-mask for rows ``x: [B, T, ...]``: the last T columns of the model's mask."""
+        mask = self._mask
+        if mask is None or x.dim() < 3 or mask.shape[0] != x.shape[0] or mask.shape[1] < x.shape[1]:
+            return None
+        mask = mask[:, mask.shape[1] - x.shape[1]:]
+        return mask if mask.device == x.device else mask.to(x.device, non_blocking=True)
+
+    def _capture(self, site: str, layer: int | None, x: Tensor, *, headed: bool, convention: str,
+                 head_offset: int = 0) -> None:
+        target = self._target
+        if target is None or self._depth == 0:
+            return  # outside the model's own forward: e.g. the checkpoint recompute in backward
+        if torch.compiler.is_compiling():
+            raise RuntimeError("fastspec.Probe: a capture hook ran inside a torch.compile'd graph. Streaming "
+                               "probes need eager forwards: attach the probe to the uncompiled model, or use "
+                               "probe.measure() (which runs the eager module of a compiled model).")
+        token = self._timer.start(x.device)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.no_grad())
+            # inference-mode tensors may be read outside inference mode; the state must not become one
+            stack.enter_context(torch.inference_mode(False))
+            if x.device.type in ("cuda", "cpu"):
+                stack.enter_context(torch.autocast(x.device.type, enabled=False))
+            x = x.detach()
+            target.update(site, layer, x, self._mask_for(x), headed=headed, convention=convention,
+                          head_offset=head_offset, row_step=self.row_step)
+        self._timer.stop(token)
+
+    def _on_attention(self, layer: int):
+        def callback(module, query: Tensor, key: Tensor) -> None:
+            if key.dim() != 4 or query.dim() != 4:
+                return
+            tq = query.shape[-2]
+            if self.keys:
+                k = key[:, :, key.shape[-2] - tq:] if key.shape[-2] > tq else key  # new tokens only (KV cache)
+                self._capture("keys", layer, k.transpose(1, 2), headed=True,
+                              convention=self.key_convention, head_offset=self.tp_rank * k.shape[1])
+            if self.queries:
+                self._capture("queries", layer, query.transpose(1, 2), headed=True,
+                              convention=self.key_convention, head_offset=self.tp_rank * query.shape[1])
+        return callback
+
+    def _matches(self, pattern: str | None) -> list[tuple[str, nn.Module, int | None]]:
+        if pattern is None:
+            return []
+        rx = re.compile(pattern)
+        out = []
+        for name, mod in self.model.named_modules():
+            m = rx.fullmatch(name)
+            if m:
+                out.append((name, mod, int(m.group(1)) if m.groups() else layer_of(name, mod)))
+        return out
+
+    def _install(self) -> None:
+        """Register every hook; :meth:`_remove` undoes all of them."""
+        handles: list = []
+        try:
+            self._install_into(handles)
+        except BaseException:
+            for h in handles:
+                h.remove()
+            raise
+        self._handles = handles
+
+    def _install_into(self, handles: list) -> None:
+        model = self.model
+        handles.append(model.register_forward_pre_hook(self._forward_start, with_kwargs=True))
+        handles.append(model.register_forward_hook(self._forward_end, always_call=True))
+        if self.keys or self.queries:
+            callbacks = {}
+            for name, mod in model.named_modules():
+                if "Attention" not in type(mod).__name__ or getattr(mod, "is_cross_attention", False) \
+                        or "Cross" in type(mod).__name__:
+                    continue
+                layer = layer_of(name, mod)
+                if layer is not None:
+                    callbacks[mod] = self._on_attention(layer)
+            if not callbacks:
+                raise ValueError("keys/queries: found no attention modules with a layer index in this model")
+            handles.append(hf_attention.watch(callbacks, getattr(model.config, "_attn_implementation", None)))
+        if self.ffn:
+            found = self._matches(self.family.ffn)
+            if not found:
+                raise ValueError(f"ffn: no module matches the FFN down projection pattern "
+                                 f"{self.family.ffn!r}; register the family in fastspec.probe.FAMILIES")
+            for _, mod, layer in found:
+                handles.append(mod.register_forward_pre_hook(self._ffn_hook(layer)))
+        if self.prerope_keys:
+            self._install_prerope(handles)
+        for spec in self.module_sites:
+            found = [(n, m) for n, m in model.named_modules() if fnmatch.fnmatchcase(n, spec.pattern)]
+            if not found:
+                raise ValueError(f"modules: no module name matches {spec.pattern!r}")
+            for name, mod in found:
+                hook = self._module_hook(spec, layer_of(name, mod))
+                handles.append(mod.register_forward_hook(hook) if spec.io == "output"
+                               else mod.register_forward_pre_hook(hook))
+
+    def _install_prerope(self, handles: list) -> None:
+        fam = self.family
+        use_norm = fam.k_norm is not None and bool(self._matches(fam.k_norm))
+        found = self._matches(fam.k_norm if use_norm else fam.k_proj)
+        if not found:
+            raise ValueError("prerope_keys: found no k_norm/k_proj modules in this model")
+        mods = dict(self.model.named_modules())
+        for name, mod, layer in found:
+            head_dim = getattr(mods.get(name.rsplit(".", 1)[0]), "head_dim", None)
+            if not use_norm and not isinstance(head_dim, int):
+                raise ValueError(f"prerope_keys: cannot tell the head width of {name}")
+
+            def hook(module, args, output, layer=layer, head_dim=head_dim, use_norm=use_norm):
+                k = output if use_norm else output.unflatten(-1, (-1, head_dim))  # [B, T, H, d_head]
+                self._capture("keys_prerope", layer, k, headed=True, convention=self.key_convention,
+                              head_offset=self.tp_rank * k.shape[-2])
+            handles.append(mod.register_forward_hook(hook))
+
+    def _ffn_hook(self, layer: int | None):
+        def hook(module, args):
+            x = first_tensor(args)
+            if x is not None and x.is_floating_point():
+                self._capture("ffn", layer, x, headed=False, convention=self.ffn_convention)
+        return hook
+
+    def _module_hook(self, spec: ModuleSite, layer: int | None):
+        def hook(module, args, output=None):
+            x = first_tensor(output if spec.io == "output" else args)
+            if x is None or not x.is_floating_point() or x.dim() < 2:
+                return
+            if spec.heads is not None:
+                if x.shape[-1] % spec.heads:
+                    raise ValueError(f"modules: {spec.pattern!r} width {x.shape[-1]} is not divisible "
+                                     f"by heads={spec.heads}")
+                x = x.unflatten(-1, (spec.heads, -1))
+            self._capture(spec.site, layer, x, headed=spec.heads is not None, convention=spec.convention,
+                          head_offset=self.tp_rank * (spec.heads or 0))
+        return hook
+
+    def _forward_start(self, module, args, kwargs):
+        self._depth += 1
+        if self._depth == 1:
+            mask = kwargs.get("attention_mask")
+            if mask is None and self._forward_sig is not None:
+                try:
+                    mask = self._forward_sig.bind_partial(*args, **kwargs).arguments.get("attention_mask")
+                except TypeError:
+                    mask = None
+            self._mask = as_bool_mask(mask)
+
+    def _forward_end(self, module, args, output):
+        self._depth = max(0, self._depth - 1)
+        if self._depth == 0:
+            self._mask = None
+
+    def _remove(self) -> None:
+        handles, self._handles = self._handles or [], None
+        for h in handles:
+            h.remove()
+        self._depth, self._mask = 0, None
+
+    # ------------------------------------------------------------- eval protocol
+    def measure(self, batch, *, step: int, tokens_seen: int | None = None) -> list[Record]:
+        """SPEC §5 eval protocol: one forward of a fixed batch, metrics of exactly its tokens.
+
+        Puts the model in eval mode, runs ``model(**batch)`` (a dict of model kwargs with the
+        ``attention_mask``) or ``model(batch)`` (an ``input_ids`` tensor) under ``no_grad``,
+        computes every site's metrics, then restores each module's train/eval flag and removes
+        the hooks it added, also when the forward raises. Streaming accumulators are untouched.
+        A ``torch.compile``'d model is measured through its eager module (same parameters).
+
+        Returns the new records (also appended to :meth:`records`); waits for their values.
+        """
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise TypeError(f"step: expected an int, got {type(step).__name__}")
+        if not isinstance(batch, (dict, Tensor)):
+            raise TypeError(f"batch: expected a dict of model kwargs or an input_ids tensor, "
+                            f"got {type(batch).__name__}")
+        model = self.model
+        modes = [(m, m.training) for m in model.modules()]
+        installed_here = self._handles is None
+        previous_target, collector = self._target, Collector(self.backend)
+        try:
+            if installed_here:
+                self._install()
+            self._target = collector
+            model.eval()
+            with torch.no_grad():
+                model(**batch) if isinstance(batch, dict) else model(batch)
+            self._target = previous_target
+            pending = self._emit(collector, step, tokens_seen, extra=())
+        finally:
+            self._target = previous_target
+            if installed_here:
+                self._remove()
+            for m, was_training in modes:
+                m.training = was_training
+        records = [] if pending is None else pending.materialize()
+        self._flush()
+        self._history.extend(records)
+        return records
+
+    # ---------------------------------------------------------------- streaming
+    def attach(self) -> "Probe":
+        """Start streaming: hooks stay on and captures go to the running accumulators."""
+        if self._compiled:
+            raise RuntimeError("attach: this model is torch.compile'd; capture hooks cannot run inside a "
+                               "compiled graph. Attach the probe to the uncompiled model (and compile "
+                               "submodules only), or use probe.measure() (runs the eager module).")
+        if self._streaming:
+            return self
+        if self._handles is None:
+            self._install()
+        self._streaming = True
+        self._target = self._stream if self._capture_this_step else None
+        return self
+
+    def detach(self) -> None:
+        """Stop streaming and remove every hook (accumulators and history are kept)."""
+        self._streaming = False
+        self._target = None
+        if self._handles is not None:
+            self._remove()
+
+    @contextlib.contextmanager
+    def streaming(self) -> Iterator["Probe"]:
+        """``with probe.streaming(): train...`` attaches, and detaches also on error."""
+        self.attach()
+        try:
+            yield self
+        finally:
+            self.detach()
+
+    def step(self, step: int, tokens_seen: int | None = None) -> list[Record]:
+        """Call once per optimizer step, after its forwards/backward. Streaming bookkeeping:
+
+        * every ``emit_every`` calls, computes metrics of the accumulated tokens (global under
+          ``torch.distributed``) and resets them (``reset=True``) or keeps running totals;
+        * measures the probe's overhead and, with ``budget``, chooses the capture interval;
+        * decides whether the next step's forwards are captured (one step in ``every``).
+
+        Never syncs the device: returns the records whose values have already reached the host
+        (on CPU: this emission's; on CUDA usually the previous one's). :meth:`records` waits.
+        """
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise TypeError(f"step: expected an int, got {type(step).__name__}")
+        self._steps_seen += 1
+        if self._steps_seen % self.emit_every == 0:
+            token = self._timer.start(self._device())
+            overhead = self._budget.average_fraction
+            extra = () if overhead is None else ((("probe", None, None, "overhead_fraction"), overhead),)
+            pending = self._emit(self._stream, step, tokens_seen, extra=extra)
+            if pending is not None:
+                self._pending.append(pending)
+            if self.reset_after_emit:
+                self._stream.reset()
+            self._timer.stop(token)
+        now = self._timer.clock()
+        if self._last_step_t is not None:
+            self._budget.observe(self._timer.pop(), now - self._last_step_t, self._capture_this_step)
+        else:
+            self._timer.pop()
+        self._last_step_t = now
+        self._capture_this_step = self._steps_seen % self._budget.every == 0
+        if self._streaming:
+            self._target = self._stream if self._capture_this_step else None
+        return self._flush(block=False)
+
+    @property
+    def every(self) -> int:
+        """Current capture interval (adapted when a ``budget`` is set)."""
+        return self._budget.every
+
+    def overhead(self) -> dict:
+        """``{"fraction": last step's work/step time, "average": expected per-step fraction, "every": k}``."""
+        return {"fraction": self._budget.last_fraction, "average": self._budget.average_fraction,
+                "every": self._budget.every}
+
+    def _device(self) -> torch.device | None:
+        for acc in self._stream.accs.values():
+            if acc.cov.device is not None:
+                return acc.cov.device
+        return None
+
+    # ------------------------------------------------------------------ metrics
+    def _reports(self) -> bool:
+        """Whether this rank emits records (all ranks, or rank 0 only with ``sync="rank0"``)."""
+        if self.sync != "rank0" or not is_distributed():
+            return True
+        return torch.distributed.get_rank(self.process_group) == 0
+
+    def _merge_ranks(self, acc: Accumulator):
+        if self.sync == "none" or not is_distributed():
+            return acc.cov, True
+        return all_reduce_covariance(acc.cov, self.process_group), self._reports()
+
+    def _emit(self, collector: Collector, step: int, tokens_seen: int | None,
+              extra: tuple) -> PendingRecords | None:
+        """Metrics of every accumulator, packed into one tensor headed for the host."""
+        keys: list[RecordKey] = []
+        values: list[Tensor] = []
+        device = None
+        for (site, layer), acc in collector.sorted_items():
+            if acc.cov.device is None:
+                continue
+            cov, report = self._merge_ranks(acc)
+            if not report:
+                continue
+            spec = cov.spectrum(acc.convention)  # [*sites, D], descending
+            m = summarize(spec)
+            n = cov.n.double()
+            lam_max = spec[..., 0] if acc.convention == "eig" else spec[..., 0].square() / n  # of XᵀX/n (SPEC §4)
+            cols = [getattr(m, name) for name in SPECTRUM_METRICS]
+            cols += [lam_max, n, cov.rejected.double()]
+            names = (*SPECTRUM_METRICS, "lambda_max", "n", "rejected")
+            block = torch.stack([c.double().reshape(-1) for c in cols])  # [M, S]
+            heads = range(block.shape[1])
+            for name in names:
+                for h in heads:
+                    keys.append((site, layer, acc.head_offset + h if acc.headed else None, name))
+            device = block.device if device is None else device
+            values.append(block.reshape(-1))
+        gamma_sites = (("gamma_k", self.family.k_norm), ("gamma_q", self.family.q_norm)) \
+            if self.family is not None and (self.keys or self.queries or self.prerope_keys) else ()
+        for site, pattern in gamma_sites if self._reports() else ():
+            for _, mod, layer in self._matches(pattern):
+                w = getattr(mod, "weight", None)
+                if not isinstance(w, Tensor):
+                    continue
+                gamma = w.detach().double() + self.family.gamma_offset
+                trainable = bool(w.requires_grad)
+                # SPEC §5: population std / mean over the d_head entries; 0 when γ is frozen
+                cv = gamma.std(unbiased=False) / gamma.mean() if trainable else gamma.new_zeros(())
+                keys += [(site, layer, None, "gamma_cv"), (site, layer, None, "gamma_trainable")]
+                device = cv.device if device is None else device
+                values.append(torch.stack([cv, cv.new_tensor(float(trainable))]))
+        for key, value in extra if self._reports() else ():
+            keys.append(key)
+            values.append(torch.tensor([float(value)], dtype=torch.float64, device=device))
+        if not keys:
+            return None
+        return PendingRecords(step, tokens_seen, keys, torch.cat([v.to(device) for v in values]))
+
+    # ------------------------------------------------------------------ records
+    def _flush(self, block: bool = True) -> list[Record]:
+        new: list[Record] = []
+        while self._pending and (block or self._pending[0].ready()):
+            new.extend(self._pending.pop(0).materialize())
+        self._history.extend(new)
+        return new
+
+    def records(self) -> list[Record]:
+        """Every record so far (measure and streaming), waiting for values still in flight."""
+        self._flush()
+        return list(self._history)
+
+    def to_dataframe(self):
+        """:meth:`records` as a ``pandas.DataFrame`` with the :class:`Record` fields as columns."""
+        try:
+            import pandas as pd
+        except ImportError as e:  # optional dependency
+            raise ImportError("to_dataframe needs pandas: pip install 'fastspec[plot]'") from e
+        from dataclasses import fields
+
+        cols = [f.name for f in fields(Record)]
+        return pd.DataFrame([r.as_dict() for r in self.records()], columns=cols)
+
+    # --------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict:
+        """Streaming accumulators, schedule, budget state and the record history."""
+        self._flush()
+        return {
+            "version": 1,
+            "accumulators": [{"site": s, "layer": l, **acc.state_dict()}
+                             for (s, l), acc in self._stream.sorted_items()],
+            "history": [r.as_dict() for r in self._history],
+            "steps_seen": self._steps_seen,
+            "budget": self._budget.state_dict(),
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore :meth:`state_dict` (accumulators are replaced, not merged)."""
+        if not isinstance(sd, dict) or sd.get("version") != 1:
+            raise ValueError("state_dict: not a fastspec.Probe state_dict (version 1)")
+        self._flush()
+        accs = {}
+        for entry in sd["accumulators"]:
+            accs[(entry["site"], entry["layer"])] = Accumulator.from_state_dict(entry, self.backend)
+        self._stream.accs = accs
+        self._history = [Record(**r) for r in sd["history"]]
+        self._steps_seen = int(sd["steps_seen"])
+        self._budget.load_state_dict(sd["budget"])
+        self._capture_this_step = self._steps_seen % self._budget.every == 0
+        if self._streaming:
+            self._target = self._stream if self._capture_this_step else None
+
+    def __repr__(self) -> str:
+        sites = [s for s, on in (("keys", self.keys), ("queries", self.queries), ("ffn", self.ffn),
+                                 ("keys_prerope", self.prerope_keys)) if on]
+        sites += [m.site for m in self.module_sites]
+        return f"Probe({type(self.model).__name__}, sites={sites}, streaming={self._streaming})"

