@@ -1,0 +1,258 @@
+"""Triton kernels for one streaming covariance update (SPEC.md §1); launcher in ``triton_update.py``.
+
+Design envelope
+---------------
+* Tuned for attention heads, ``D`` in {32, 64, 96, 128} (one ``BD``-wide tile holds the whole
+  row, so row validity, ``Σ(x−c)`` and ``Σ(x−c)(x−c)ᵀ`` come from ONE read of x: memory bound).
+  ``D = 256`` and wide FFN widths (up to 16384) tile ``G`` into 128×128 blocks; only the upper
+  triangle is computed (the lower is stored as its transpose) and a row-validity pre-pass reads
+  x once more. Wide ``D`` is a GEMM (``2·N·D²/2`` flops): compute bound, not memory bound.
+* Inputs bf16/fp16/fp32 with arbitrary strides ``x: [B, T, S, D]`` (no ``.contiguous()``).
+* Products: bf16/fp16 rows go through tensor-core ``tl.dot`` with fp32 accumulation. Uncentered
+  (``CENTER=False``, the ``sv`` key probe) products are exact. Centered rows ``d = x − c`` are
+  fp32; they are split ``d ≈ hi + lo`` (both bf16, 16 significant bits, exact whenever ``d``
+  needs ≤ 16 bits, which holds when ``c`` is rounded to the input dtype and ``x`` is within 2^8
+  of ``c`` in magnitude) and ``d dᵀ = hi hiᵀ + hi loᵀ + lo hiᵀ + lo loᵀ``: 4 dots (dropping
+  ``lo loᵀ`` biases the diagonal by ~2^-18 relative, far above fp32 error). fp32 input uses
+  ``input_precision="ieee"`` (never TF32): exact but on the FMA units, i.e. compute bound.
+* Determinism: fixed tile/row-block order, per-row-split partials written to a workspace and
+  summed in a fixed order by the launcher; no atomics, no autotuning (a different pick between
+  processes would change the summation order), so equal inputs give bitwise equal sums.
+* No host sync: sizes come from shapes only; safe on the current stream inside forward hooks.
+
+Byte/flop arithmetic (H100 SXM: ~3.35 TB/s HBM, ~990 TFLOP/s dense bf16; H200: 4.8 TB/s)
+-------------------------------------------------------------------------------------------
+* keys ``[B=8, H=8, T=2048, D=128]`` bf16: 33.6 MB read once; flops ``2·N·D²·H`` = 4.3 GFLOP
+  uncentered (4 µs at peak), ×4 centered (17 GFLOP, ~17 µs); memory time 10 µs (H100) / 7 µs
+  (H200). Uncentered (the ``sv`` key probe) is memory bound; centered is ~2× compute bound (a
+  per-block "skip the lo dots when lo ≡ 0" branch would recover large-mean data; not done). Workspace: ``SPLIT·H·D²·4``
+  bytes with ``SPLIT`` chosen so it stays ≤ 1/4 of the input bytes.
+  The torch per-head path reads x, writes an fp32 copy (2×), reads it for a batched matmul.
+* FFN ``[N=16384, D=8192]`` bf16: 268 MB read (validity pass + tiles re-read from L2/HBM),
+  ``N·D²`` = 1.1 TFLOP uncentered over the upper triangle (~1.1 ms at peak), ×4 centered.
+  Compute bound; the target is the tensor-core rate, not bandwidth.
+* Targets (>= 80 % of HBM bandwidth on the key case, >= 3× the torch per-head matmul path) are
+  NOT measured yet: this code was written and tested on CPU under ``TRITON_INTERPRET=1`` only.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _row_offsets(o_r, Tk, ROW_STEP, stride_xb, stride_xt):
+    """Row r of the sampled chunk is x[b, t] with b = r // Tk, t = (r % Tk)·ROW_STEP (int64)."""
+    o_b = o_r // Tk
+    o_t = (o_r % Tk) * ROW_STEP
+    return o_b, o_t, o_b * stride_xb + o_t * stride_xt
+
+
+@triton.jit
+def _row_keep(p_mask, o_b, o_t, m_r, stride_mb, stride_mt, HAS_MASK: tl.constexpr):
+    if HAS_MASK:
+        return m_r & (tl.load(p_mask + o_b * stride_mb + o_t * stride_mt, mask=m_r, other=0) != 0)
+    return m_r
+
+
+@triton.jit
+def _row_status_kernel(
+    p_x, p_mask, p_status,
+    N, Tk, D,
+    stride_xb, stride_xt, stride_xs, stride_xd, stride_mb, stride_mt,
+    ROW_STEP,
+    HAS_MASK: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+):
+    """status[s, r] = 1 valid, 2 rejected (kept by the mask but not finite), 0 masked out."""
+    i_r, i_s = tl.program_id(0), tl.program_id(1)
+    o_r = i_r.to(tl.int64) * BT + tl.arange(0, BT)
+    m_r = o_r < N
+    o_b, o_t, o_row = _row_offsets(o_r, Tk, ROW_STEP, stride_xb, stride_xt)
+    keep = _row_keep(p_mask, o_b, o_t, m_r, stride_mb, stride_mt, HAS_MASK)
+    p_row = p_x + i_s.to(tl.int64) * stride_xs + o_row
+    b_bad = tl.zeros([BT], dtype=tl.int32)
+    for i_d in range(0, tl.cdiv(D, BD)):
+        o_d = i_d * BD + tl.arange(0, BD)
+        m_d = o_d < D
+        b_x = tl.load(p_row[:, None] + o_d[None, :].to(tl.int64) * stride_xd,
+                      mask=keep[:, None] & m_d[None, :], other=0).to(tl.float32)
+        # x − x is 0 for finite x and NaN for NaN/±Inf: one test for both
+        b_bad += tl.sum(((b_x - b_x) != 0).to(tl.int32), axis=1)
+    b_status = tl.where(keep, tl.where(b_bad == 0, 1, 2), 0).to(tl.int8)
+    tl.store(p_status + i_s.to(tl.int64) * N + o_r, b_status, mask=m_r)
+
+
+@triton.jit
+def _center_kernel(
+    p_x, p_mask, p_c,
+    N, Tk, D,
+    stride_xb, stride_xt, stride_xs, stride_xd, stride_mb, stride_mt,
+    ROW_STEP,
+    HAS_MASK: tl.constexpr, ROUND_TO_INPUT: tl.constexpr, NC: tl.constexpr, BD: tl.constexpr,
+):
+    """c[s, j] = sample mean m_j of channel j if m_j² > 4·var_j, else 0 (0 if no valid rows).
+
+    The sample: the valid rows among NC rows spread evenly over the chunk (spreading keeps
+    left/right padding from emptying it). Any shift near the mean keeps the centered products
+    small. With ROUND_TO_INPUT, c is rounded to the input dtype so that x − c is exact in fp32
+    and, for x near c, needs few bits (exact in the hi + lo bf16 split).
+    """
+    i_s = tl.program_id(0)
+    o_i = tl.arange(0, NC).to(tl.int64)
+    o_r = o_i * N // NC
+    m_r = o_i < N
+    o_b, o_t, o_row = _row_offsets(o_r, Tk, ROW_STEP, stride_xb, stride_xt)
+    keep = _row_keep(p_mask, o_b, o_t, m_r, stride_mb, stride_mt, HAS_MASK)
+    p_row = p_x + i_s.to(tl.int64) * stride_xs + o_row
+    b_bad = tl.zeros([NC], dtype=tl.int32)
+    for i_d in range(0, tl.cdiv(D, BD)):
+        o_d = i_d * BD + tl.arange(0, BD)
+        b_x = tl.load(p_row[:, None] + o_d[None, :].to(tl.int64) * stride_xd,
+                      mask=keep[:, None] & (o_d < D)[None, :], other=0).to(tl.float32)
+        b_bad += tl.sum(((b_x - b_x) != 0).to(tl.int32), axis=1)
+    valid = keep & (b_bad == 0)
+    b_cnt = tl.maximum(tl.sum(valid.to(tl.float32), axis=0), 1.0)
+    for i_d in range(0, tl.cdiv(D, BD)):
+        o_d = i_d * BD + tl.arange(0, BD)
+        m_d = o_d < D
+        m = valid[:, None] & m_d[None, :]
+        b_x = tl.load(p_row[:, None] + o_d[None, :].to(tl.int64) * stride_xd, mask=m, other=0).to(tl.float32)
+        b_mean = tl.sum(b_x, axis=0) / b_cnt
+        b_dev = tl.where(m, b_x - b_mean[None, :], 0.0)
+        b_var = tl.sum(b_dev * b_dev, axis=0) / b_cnt
+        if ROUND_TO_INPUT:
+            b_mean = b_mean.to(p_x.dtype.element_ty).to(tl.float32)
+        # shift only channels whose mean dominates their spread (mean² > 4·var): there x − c is
+        # small and exact in few bits; elsewhere c = 0 keeps x − c = x exact, and the fp64
+        # merge of the raw sums loses at most log2(1 + mean²/var) <= log2(5) bits
+        b_c = tl.where(b_mean * b_mean > 4.0 * b_var, b_mean, 0.0)
+        tl.store(p_c + i_s.to(tl.int64) * D + o_d, b_c, mask=m_d)
+
+
+@triton.jit
+def _round_to_bf16(b_f):
+    """fp32 -> nearest bf16 value (ties to even), kept in fp32; finite input.
+
+    Done on the bits because the interpreter's fp32 -> bf16 cast truncates (GPU casts round),
+    and a truncated split hi + lo is biased toward 0, which shows on the diagonal of G.
+    """
+    b_u = b_f.to(tl.uint32, bitcast=True)
+    b_u = (b_u + 0x7FFF + ((b_u >> 16) & 1)) & 0xFFFF0000
+    return b_u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _gram_dot(b_a, b_b, b_acc, SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """b_acc += b_aᵀ b_b, b_a: [BT, BM], b_b: [BT, BN] (zeros in invalid rows/columns).
+
+    SPLIT_BF16: the fp32 blocks are split hi + lo in bf16 (16 significant bits) and the four
+    bf16 products summed, so every d that needs <= 16 bits is multiplied exactly.
+    UPCAST (interpreter): bf16/fp16 operands go through fp32, where their products are exact.
+    """
+    if SPLIT_BF16:
+        b_ah = _round_to_bf16(b_a)
+        b_bh = _round_to_bf16(b_b)
+        b_al = _round_to_bf16(b_a - b_ah)
+        b_bl = _round_to_bf16(b_b - b_bh)
+        if not UPCAST:  # exact: the values are bf16 already
+            b_ah, b_bh = b_ah.to(tl.bfloat16), b_bh.to(tl.bfloat16)
+            b_al, b_bl = b_al.to(tl.bfloat16), b_bl.to(tl.bfloat16)
+        b_acc = tl.dot(tl.trans(b_ah), b_bh, b_acc, input_precision=PRECISION)
+        b_acc = tl.dot(tl.trans(b_ah), b_bl, b_acc, input_precision=PRECISION)
+        b_acc = tl.dot(tl.trans(b_al), b_bh, b_acc, input_precision=PRECISION)
+        # lo·lo is ~2^-18 of d·d but of one sign on the diagonal: dropping it biases G
+        b_acc = tl.dot(tl.trans(b_al), b_bl, b_acc, input_precision=PRECISION)
+    else:
+        if UPCAST:
+            b_a, b_b = b_a.to(tl.float32), b_b.to(tl.float32)
+        b_acc = tl.dot(tl.trans(b_a), b_b, b_acc, input_precision=PRECISION)
+    return b_acc
+
+
+@triton.jit
+def _prep_block(b_x, m, b_c, CENTER: tl.constexpr):
+    """Operand block for the dot: x − c in fp32 (CENTER) or raw x, 0 outside the mask ``m``."""
+    if CENTER:
+        # tl.where, not a product: a masked-out NaN row times 0 is still NaN
+        return tl.where(m, b_x.to(tl.float32) - b_c[None, :], 0.0)
+    return tl.where(m, b_x, tl.zeros_like(b_x))
+
+
+@triton.jit
+def _load_prepped(p_row, o_d, m_d, valid, p_cs, stride_xd, CENTER: tl.constexpr):
+    m = valid[:, None] & m_d[None, :]
+    b_x = tl.load(p_row[:, None] + o_d[None, :].to(tl.int64) * stride_xd, mask=m, other=0)
+    b_c = tl.load(p_cs + o_d, mask=m_d, other=0) if CENTER else None
+    return _prep_block(b_x, m, b_c, CENTER)
+
+
+@triton.jit
+def _cov_partials_kernel(
+    p_x, p_mask, p_status, p_c,
+    p_G, p_s, p_n, p_rej,
+    N, Tk, D, S, RPS,
+    stride_xb, stride_xt, stride_xs, stride_xd, stride_mb, stride_mt,
+    ROW_STEP,
+    HAS_MASK: tl.constexpr, FUSED_STATUS: tl.constexpr, CENTER: tl.constexpr,
+    SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    NTILE: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+):
+    """One (tile of G, site, row split): partial Σ d dᵀ over rows [i_k·RPS, (i_k+1)·RPS).
+
+    Grid (NTILE², S, SPLIT); d = x − c (CENTER) or x, rows not valid contribute 0.
+    Outputs, all fp32/int32 workspaces indexed [i_k, s]: G [D, D], s = Σd [D] (diagonal tiles),
+    and with FUSED_STATUS (NTILE == 1, the tile holds whole rows) n and rejected counts.
+    """
+    i_t, i_s, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_m, i_n = i_t // NTILE, i_t % NTILE
+    if i_m > i_n:
+        return  # lower triangle: written as the transpose of tile (i_n, i_m)
+    o_m = i_m * BD + tl.arange(0, BD)
+    o_n = i_n * BD + tl.arange(0, BD)
+    m_m, m_n = o_m < D, o_n < D
+    r_lo = i_k.to(tl.int64) * RPS
+    r_hi = tl.minimum(r_lo + RPS, N)
+    p_xs = p_x + i_s.to(tl.int64) * stride_xs
+    p_cs = p_c + i_s.to(tl.int64) * D
+
+    b_G = tl.zeros([BD, BD], dtype=tl.float32)
+    b_sum = tl.zeros([BD], dtype=tl.float32)
+    b_n = tl.zeros([BT], dtype=tl.int32)
+    b_rej = tl.zeros([BT], dtype=tl.int32)
+    for r0 in range(r_lo, r_hi, BT):
+        o_r = r0 + tl.arange(0, BT).to(tl.int64)
+        m_r = o_r < r_hi
+        o_b, o_t, o_row = _row_offsets(o_r, Tk, ROW_STEP, stride_xb, stride_xt)
+        p_row = p_xs + o_row
+        if FUSED_STATUS:
+            # the tile spans whole rows: finiteness comes from the same single read of x
+            keep = _row_keep(p_mask, o_b, o_t, m_r, stride_mb, stride_mt, HAS_MASK)
+            b_x = tl.load(p_row[:, None] + o_m[None, :].to(tl.int64) * stride_xd,
+                          mask=keep[:, None] & m_m[None, :], other=0)
+            b_xf = b_x.to(tl.float32)
+            ok = tl.sum(((b_xf - b_xf) != 0).to(tl.int32), axis=1) == 0
+            valid = keep & ok
+            b_n += valid.to(tl.int32)
+            b_rej += (keep & ~ok).to(tl.int32)
+            b_c = tl.load(p_cs + o_m, mask=m_m, other=0) if CENTER else None
+            b_a = _prep_block(b_x, valid[:, None] & m_m[None, :], b_c, CENTER)
+            b_b = b_a
+        else:
+            b_st = tl.load(p_status + i_s.to(tl.int64) * N + o_r, mask=m_r, other=0)
+            valid = b_st == 1
+            b_a = _load_prepped(p_row, o_m, m_m, valid, p_cs, stride_xd, CENTER)
+            b_b = _load_prepped(p_row, o_n, m_n, valid, p_cs, stride_xd, CENTER)
+        b_G = _gram_dot(b_a, b_b, b_G, SPLIT_BF16, UPCAST, PRECISION)
+        b_sum += tl.sum(b_a.to(tl.float32), axis=0)
+
+    o_out = (i_k.to(tl.int64) * S + i_s) * D
+    p_Gk = p_G + o_out * D
+    m_G = m_m[:, None] & m_n[None, :]
+    tl.store(p_Gk + o_m[:, None].to(tl.int64) * D + o_n[None, :], b_G, mask=m_G)
+    if i_m != i_n:
+        tl.store(p_Gk + o_n[None, :].to(tl.int64) * D + o_m[:, None], b_G, mask=m_G)
+    else:
+        tl.store(p_s + o_out + o_m, b_sum, mask=m_m)
+    if FUSED_STATUS:
+        tl.store(p_n + i_k.to(tl.int64) * S + i_s, tl.sum(b_n, axis=0))
+        tl.store(p_rej + i_k.to(tl.int64) * S + i_s, tl.sum(b_rej, axis=0))

@@ -1,0 +1,360 @@
+"""Triton covariance-update kernels vs the plain-torch reference and fp64 ground truth (SPEC §1).
+
+On CPU the kernels run under ``TRITON_INTERPRET=1`` (set by conftest), so sizes stay small.
+
+Tolerance rule (flash-attention style): for each case, the kernel's error against an fp64
+ground truth on the same input must be at most ``RATIO`` × the error of the torch reference
+(which accumulates in fp32 too) plus a floor of ``FLOOR`` (a few fp32 ulps of the result,
+for cases where torch happens to be nearly exact). Errors are on what the caller uses: the
+chunk mean ``c + s/n`` and centered sum ``G − s sᵀ/n`` (independent of the chosen center ``c``),
+or the raw ``Σx``, ``Σxxᵀ`` when ``center=False``.
+"""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import fastspec  # noqa: E402
+from fastspec.covariance import dispatch  # noqa: E402
+from fastspec.covariance import triton_update as tu  # noqa: E402
+from fastspec.covariance.reference import covariance_partials_reference as reference  # noqa: E402
+from fastspec.covariance.triton_update import covariance_partials_triton as kernel  # noqa: E402
+
+RATIO = 4.0
+FLOOR = 8 * 2.0**-24
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DT_ID = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@pytest.fixture(autouse=True)
+def _nan_filled_buffers(monkeypatch):
+    """Kernel outputs start as NaN (or -1 for ints): an unwritten entry cannot pass as 0."""
+
+    def empty(*shape, dtype=torch.float32, device=None):
+        fill = float("nan") if dtype.is_floating_point else -1
+        return torch.full(shape, fill, dtype=dtype, device=device)
+
+    monkeypatch.setattr(tu, "_empty", empty)
+
+
+def _stats(p, center: bool):
+    """(n, first, second) in fp64: mean and centered sum, or raw Σx and Σxxᵀ."""
+    n = p.n.double()
+    c, s, G = p.c.double(), p.s.double(), p.G.double()
+    if center:
+        nn = n.clamp_min(1)[:, None]
+        return n, c + s / nn, G - s[:, :, None] * s[:, None, :] / nn[..., None]
+    cs = c[:, :, None] * s[:, None, :]
+    return n, s + n[:, None] * c, G + cs + cs.transpose(1, 2) + n[:, None, None] * c[:, :, None] * c[:, None, :]
+
+
+def _errors(p, truth, center: bool):
+    n, a1, a2 = _stats(p, center)
+    _, t1, t2 = _stats(truth, center)
+    scale1 = t1.norm() + (t2.diagonal(dim1=1, dim2=2).sum(-1) / n.clamp_min(1)).sum().sqrt()
+    return ((a1 - t1).norm() / scale1).item(), ((a2 - t2).norm() / t2.norm()).item()
+
+
+def check_against_fp64(x, mask=None, row_step=1, center=True, split=None):
+    """Run kernel and torch reference; both vs fp64 truth on the same (possibly low-precision) x."""
+    got = kernel(x, mask, row_step, center, split=split)
+    ref = reference(x, mask, row_step, center)
+    truth = reference(x.double(), mask, row_step, center)
+    assert got.n.dtype == got.rejected.dtype == torch.int64
+    assert got.G.dtype == got.s.dtype == torch.float32
+    assert got.n.tolist() == truth.n.tolist()
+    assert got.rejected.tolist() == truth.rejected.tolist()
+    e1, e2 = _errors(got, truth, center)
+    r1, r2 = _errors(ref, truth, center)
+    assert e1 <= RATIO * r1 + FLOOR, f"first moment: kernel {e1:.3g} vs torch {r1:.3g}"
+    assert e2 <= RATIO * r2 + FLOOR, f"second moment: kernel {e2:.3g} vs torch {r2:.3g}"
+    return got
+
+
+# ------------------------------------------------------------------ dtypes, widths, layouts
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_ID.get)
+@pytest.mark.parametrize("D", [32, 64, 96, 128, 256])
+@pytest.mark.parametrize("center", [True, False], ids=["centered", "raw"])
+def test_head_widths(dtype, D, center):
+    x = torch.randn(2, 24, 2, D).to(dtype)  # [B, T, S, D], 48 rows per site
+    check_against_fp64(x, center=center)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DT_ID.get)
+def test_wide_ffn_tiles(dtype):
+    # D = 1000: 8×8 tiles of 128 with a ragged last tile, upper triangle + mirrored lower
+    x = torch.randn(1, 40, 1, 1000).to(dtype) + torch.linspace(-3, 3, 1000).to(dtype)
+    p = check_against_fp64(x, center=True)
+    torch.testing.assert_close(p.G, p.G.transpose(1, 2), rtol=0, atol=0)
+
+
+def test_hf_keys_layout_no_copy():
+    # keys [B, H, T, D] as HF returns them after RoPE, seen as a [B, T, H, D] view
+    keys = torch.randn(2, 4, 20, 64, dtype=torch.bfloat16)
+    x = keys.transpose(1, 2)
+    assert not x.is_contiguous()
+    got = check_against_fp64(x, center=False)
+    flat = keys.double().permute(1, 0, 2, 3).reshape(4, -1, 64)  # [H, N, D]
+    expected = flat.transpose(1, 2) @ flat
+    assert ((got.G.double() - expected).norm() / expected.norm()).item() < 1e-6
+
+
+@pytest.mark.parametrize("layout", ["BTHD", "ND", "strided_D", "channel_slice", "expanded"])
+def test_layouts_and_strides(layout):
+    if layout == "BTHD":
+        x = torch.randn(2, 16, 3, 32)
+    elif layout == "ND":
+        x = torch.randn(50, 48)[None, :, None, :]  # [N, D] -> [1, N, 1, D]
+    elif layout == "strided_D":
+        x = torch.randn(2, 16, 2, 64)[..., ::2]  # stride 2 along D
+    elif layout == "channel_slice":
+        x = torch.randn(2, 16, 2, 100)[..., 10:58]  # offset storage, stride 100 rows
+    else:
+        x = torch.randn(1, 16, 1, 32).expand(3, 16, 2, 32)  # zero strides over B and S
+    check_against_fp64(x.to(torch.float16), center=True)
+
+
+def test_covariance_backends_agree_on_hf_keys():
+    keys = torch.randn(2, 4, 30, 32, dtype=torch.float16) * 3 + 1
+    covs = {}
+    for backend in ("torch", "triton"):
+        for track_mean in (True, False):
+            cov = fastspec.Covariance((4, 32), backend=backend, track_mean=track_mean)
+            cov.update(keys.transpose(1, 2))
+            covs[backend, track_mean] = cov
+    torch.testing.assert_close(covs["triton", True].covariance(), covs["torch", True].covariance(),
+                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(covs["triton", False].gram(), covs["torch", False].gram(), rtol=1e-6, atol=1e-4)
+    torch.testing.assert_close(covs["triton", True].n, covs["torch", True].n)
+
+
+# ------------------------------------------------------------------------ masks, sampling
+@pytest.mark.parametrize("D", [48, 200], ids=["fused", "tiled"])
+@pytest.mark.parametrize("row_step", [1, 3])
+def test_mask_and_row_step(D, row_step):
+    x = torch.randn(3, 40, 2, D)
+    mask = torch.rand(3, 40) > 0.3
+    mask[1] = False  # a fully padded sequence
+    mask[2, :25] = False  # left padding
+    got = check_against_fp64(x, mask, row_step, center=True, split=2)
+    assert got.n.tolist() == [int(mask[:, ::row_step].sum())] * 2
+
+
+def test_mask_accepts_int_attention_mask():
+    x = torch.randn(2, 20, 1, 32)
+    am = (torch.rand(2, 20) > 0.5).long()
+    cov = fastspec.Covariance(32, backend="triton").update(x[:, :, 0], mask=am)
+    assert cov.n.item() == int(am.sum())
+
+
+# ------------------------------------------------------------------------ accuracy edges
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_ID.get)
+@pytest.mark.parametrize("D", [64, 200])
+def test_large_mean(dtype, D):
+    # mean/std = 1e3: G − s sᵀ/n in fp32 cancels every digit; centering before products must not
+    x = (torch.randn(2, 32, 2, D) + 1e3 * (1 + torch.rand(D))).to(dtype)
+    check_against_fp64(x, center=True, split=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DT_ID.get)
+def test_centered_split_covers_inexact_differences(dtype):
+    # mean 2.5·std: the kernel shifts by c, and x near 0 makes x − c need more than 8 bits, so
+    # the bf16 hi + lo split (not hi alone) carries the products
+    x = (torch.randn(2, 64, 2, 64) + 2.5).to(dtype)
+    got = check_against_fp64(x, center=True)
+    d = x.float().reshape(-1, 2, 64) - got.c
+    assert (got.c != 0).float().mean() > 0.5
+    assert (d - d.bfloat16().float() != 0).float().mean() > 0.01
+
+
+def test_large_mean_streamed_matches_fp64():
+    D = 64
+    x = torch.randn(300, D, dtype=torch.float64) * 0.5 + 1e3 * (1 + torch.rand(D, dtype=torch.float64))
+    cov = fastspec.Covariance(D, backend="triton")
+    for chunk in x.float().split(70):
+        cov.update(chunk)
+    truth = torch.cov(x.float().double().T)
+    err = ((cov.covariance() - truth).norm() / truth.norm()).item()
+    ref = fastspec.Covariance(D, backend="torch")
+    for chunk in x.float().split(70):
+        ref.update(chunk)
+    ref_err = ((ref.covariance() - truth).norm() / truth.norm()).item()
+    assert err <= RATIO * ref_err + FLOOR
+
+
+def test_empty_input():
+    x = torch.randn(2, 0, 3, 32)
+    p = kernel(x)
+    assert p.n.tolist() == [0, 0, 0] and p.rejected.tolist() == [0, 0, 0]
+    assert p.G.shape == (3, 32, 32) and not p.G.any() and not p.s.any()
+    masked_out = kernel(torch.randn(2, 5, 1, 32), torch.zeros(2, 5, dtype=torch.bool))
+    assert masked_out.n.tolist() == [0] and not masked_out.G.any() and not masked_out.s.any()
+
+
+@pytest.mark.parametrize("D", [32, 300])
+def test_one_row(D):
+    # the centered sum of one row is exactly 0, so there is no relative error to compare
+    x = torch.randn(1, 1, 2, D) + 100
+    p = kernel(x)
+    n, mean, m2 = _stats(p, center=True)
+    assert n.tolist() == [1, 1] and p.rejected.tolist() == [0, 0]
+    torch.testing.assert_close(mean, x[0, 0].double(), rtol=0, atol=1e-5)
+    assert m2.abs().max() < 1e-6
+    raw = kernel(x, center=False)
+    torch.testing.assert_close(raw.G, x[0, 0, :, :, None] * x[0, 0, :, None, :], rtol=1e-6, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy's inf − inf
+@pytest.mark.parametrize("D", [40, 200], ids=["fused", "tiled"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DT_ID.get)
+def test_nan_inf_rows_are_counted_not_merged(D, dtype):
+    x = torch.randn(2, 30, 3, D).to(dtype)
+    x[0, 3, 0, 5] = float("nan")
+    x[1, 7, 0, D - 1] = float("inf")
+    x[1, 8, 2, 0] = float("-inf")
+    x[0, 9, 1, :] = float("nan")  # masked out below: neither counted nor rejected
+    mask = torch.ones(2, 30, dtype=torch.bool)
+    mask[0, 9] = False
+    got = check_against_fp64(x, mask, center=True, split=3)
+    assert got.rejected.tolist() == [2, 0, 1]
+    assert got.n.tolist() == [57, 59, 58]
+    assert torch.isfinite(got.G).all() and torch.isfinite(got.s).all()
+    cov = fastspec.Covariance((3, D), backend="triton").update(x, mask)
+    assert cov.rejected.tolist() == [2, 0, 1]
+    with pytest.raises(ValueError, match="NaN/Inf"):
+        cov.check_finite()
+
+
+# --------------------------------------------------------------- streaming, determinism
+def test_many_small_updates_equal_one_big():
+    x = torch.randn(2, 60, 2, 64, dtype=torch.bfloat16) + 5
+    big = fastspec.Covariance((2, 64), backend="triton").update(x)
+    small = fastspec.Covariance((2, 64), backend="triton")
+    for t0 in range(0, 60, 7):
+        small.update(x[:, t0:t0 + 7])
+    C = torch.stack([torch.cov(x[:, :, s].reshape(-1, 64).double().T) for s in range(2)])
+    for cov in (big, small):
+        assert ((cov.covariance() - C).norm() / C.norm()).item() < 1e-6
+    torch.testing.assert_close(small.mean, big.mean, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("D,split", [(64, 3), (300, 2)], ids=["fused", "tiled"])
+def test_bitwise_deterministic(D, split):
+    x = torch.randn(2, 50, 2, D, dtype=torch.float16) * 10 + 3
+    mask = torch.rand(2, 50) > 0.2
+    a = kernel(x, mask, 1, True, split=split)
+    b = kernel(x, mask, 1, True, split=split)
+    for f in a._fields:
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+
+
+def test_row_splits_agree():
+    x = torch.randn(1, 300, 2, 32)
+    one = kernel(x, split=1)
+    many = kernel(x, split=5)
+    assert tu.launch_config(300, 2, 32, x.device, 4, split=5).split > 1
+    n1, m1, c1 = _stats(one, True)
+    n5, m5, c5 = _stats(many, True)
+    assert torch.equal(n1, n5)
+    torch.testing.assert_close(c5, c1, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(m5, m1, rtol=0, atol=1e-6)
+
+
+# --------------------------------------------------------------------- dispatch and errors
+def test_auto_selects_triton_on_cuda_and_torch_elsewhere():
+    cpu = torch.zeros(1)
+    assert dispatch.select_partials("auto", cpu) is reference
+    assert dispatch.select_partials("torch", cpu) is reference
+    assert dispatch.select_partials("triton", cpu) is kernel
+    # select_partials looks only at .is_cuda; a stand-in lets the CPU suite check the CUDA branch
+    assert dispatch.select_partials("auto", types.SimpleNamespace(is_cuda=True)) is kernel
+
+
+def test_triton_backend_reaches_the_kernel_on_cpu(monkeypatch):
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(tu, "covariance_partials_triton", spy)
+    fastspec.Covariance((2, 32), backend="triton").update(torch.randn(2, 10, 2, 32))
+    assert calls == [(2, 10, 2, 32)]
+
+
+def test_float64_is_delegated_to_the_reference():
+    x = torch.randn(1, 10, 1, 32, dtype=torch.float64)
+    p = kernel(x)
+    assert p.G.dtype == torch.float64
+    torch.testing.assert_close(p.G, reference(x).G, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: kernel(torch.randn(10, 32)), "x: expected a 4-D"),
+    (lambda: kernel(torch.ones(1, 2, 1, 32, dtype=torch.int32)), "x: expected bf16"),
+    (lambda: kernel(torch.randn(1, 2, 1, 32), torch.ones(1, 3, dtype=torch.bool)), "mask: expected"),
+    (lambda: kernel(torch.randn(1, 2, 1, 32), None, 0), "row_step"),
+    (lambda: kernel(torch.randn(1, 2, 1, 32), split=0), "split"),
+])
+def test_bad_input_names_the_argument(call, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        call()
+
+
+# ---------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_gpu_auto_uses_triton(monkeypatch):
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(True)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(tu, "covariance_partials_triton", spy)
+    fastspec.Covariance((8, 128)).update(torch.randn(2, 64, 8, 128, device="cuda", dtype=torch.bfloat16))
+    assert calls == [True]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_ID.get)
+@pytest.mark.parametrize("shape", [(2, 256, 8, 128), (1, 512, 1, 2048), (2, 128, 4, 96)],
+                         ids=["keys-B2-T256-H8-D128", "ffn-N512-D2048", "B2-T128-H4-D96"])
+@pytest.mark.parametrize("center", [True, False], ids=["centered", "raw"])
+def test_gpu_against_fp64(dtype, shape, center):
+    torch.backends.cuda.matmul.allow_tf32 = False  # the torch yardstick itself in full fp32
+    x = (torch.randn(shape, device="cuda") * 2 + 100 * torch.rand(shape[-1], device="cuda")).to(dtype)
+    mask = torch.rand(shape[:2], device="cuda") > 0.1
+    check_against_fp64(x, mask, 1, center)
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_is_not_tf32():
+    # tf32 keeps 10 mantissa bits: its error would be ~1e-4 relative, far over 4x fp32's
+    x = torch.randn(1, 4096, 2, 128, device="cuda")
+    got = kernel(x, None, 1, False)
+    truth = reference(x.double(), None, 1, False)
+    assert ((got.G.double() - truth.G).norm() / truth.G.norm()).item() < 1e-6
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic_and_graph_capturable():
+    x = torch.randn(4, 512, 8, 128, device="cuda", dtype=torch.bfloat16)
+    a, b = kernel(x), kernel(x)
+    for f in a._fields:
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        kernel(x)  # warm up (compile) outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = kernel(x)
+    g.replay()
+    torch.cuda.synchronize()
+    for f in a._fields:
+        assert torch.equal(getattr(out, f), getattr(a, f)), f
