@@ -1,0 +1,262 @@
+"""Probe under real training conditions: padding, checkpointing, no effect on the model, grad
+modes, autocast, torch.compile, hook removal on error, streaming schedules and state_dict."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastspec
+from fastspec.probe import hf_attention
+
+from _tiny_models import batch, build, transformers
+
+
+def _hook_count(model) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def _attention_functions():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    import transformers.models.llama.modeling_llama as ml
+
+    return dict(ALL_ATTENTION_FUNCTIONS._local_mapping), ml.eager_attention_forward
+
+
+def _by_key(records, metric="participation_ratio"):
+    return {(r.site, r.layer, r.head): r.value for r in records if r.metric == metric}
+
+
+def _train_step(model, inputs):
+    out = model(**inputs, labels=inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100))
+    out.loss.backward()
+    return out
+
+
+@pytest.mark.parametrize("pad", ["left", "right"])
+def test_padding_content_never_reaches_the_metrics(pad):
+    model = build("llama")
+    a = batch(pad=pad)
+    b = {**a, "input_ids": a["input_ids"].masked_fill(a["attention_mask"] == 0, 5)}  # other pad ids
+    ra = fastspec.Probe(model).measure(a, step=0)
+    rb = fastspec.Probe(model).measure(b, step=0)
+    va, vb = _by_key(ra), _by_key(rb)
+    assert va.keys() == vb.keys()
+    for k in va:
+        assert vb[k] == pytest.approx(va[k], rel=1e-9, abs=1e-12)
+    assert {r.value for r in ra if r.metric == "n"} == {a["attention_mask"].sum().item()}
+    # counted with the padded rows, the numbers would move: the probe must see a different mask
+    rc = fastspec.Probe(model).measure({"input_ids": b["input_ids"]}, step=0)
+    assert any(abs(_by_key(rc)[k] - va[k]) > 1e-6 * abs(va[k]) for k in va)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_outputs_and_gradients_bitwise_unchanged(family):
+    inputs = batch(pad="right")
+    results = []
+    for probed in (False, True):
+        model = build(family).train()
+        probe = fastspec.Probe(model, queries=True, emit_every=1)
+        ctx = probe.streaming() if probed else torch.enable_grad()
+        with ctx:
+            out = _train_step(model, inputs)
+        if probed:
+            assert probe.step(0)  # it did capture
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        results.append((out.logits.detach(), grads))
+    (l0, g0), (l1, g1) = results
+    assert torch.equal(l0, l1)
+    assert len(g0) == len(g1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
+
+
+def test_gradient_checkpointing_recompute_is_not_counted_twice():
+    inputs = batch(pad="left")
+    valid = inputs["attention_mask"].sum().item()
+    values = []
+    for ckpt in (False, True):
+        model = build("llama").train()
+        if ckpt:
+            model.gradient_checkpointing_enable()
+        probe = fastspec.Probe(model, emit_every=1)
+        with probe.streaming():
+            _train_step(model, inputs)
+            records = probe.step(0)
+        assert {r.value for r in records if r.metric == "n"} == {valid}
+        values.append(_by_key(records))
+    for k, v in values[0].items():
+        assert values[1][k] == pytest.approx(v, rel=1e-9)
+
+
+def test_measure_removes_hooks_restores_modes_and_attention_functions_on_error():
+    model = build("llama").train()
+    model.model.layers[1].eval()  # mixed modes must come back exactly
+    before_hooks, before_fns = _hook_count(model), _attention_functions()
+    probe = fastspec.Probe(model, queries=True, prerope_keys=True)
+    bad = {"input_ids": torch.full((2, 5), 10_000)}  # out of vocabulary: the forward raises
+    with pytest.raises(IndexError):
+        probe.measure(bad, step=0)
+    assert _hook_count(model) == before_hooks
+    assert _attention_functions() == before_fns
+    assert not hf_attention._CALLBACKS and not hf_attention._PATCHES
+    assert model.training and not model.model.layers[1].training and model.model.layers[0].training
+    assert probe.records() == []
+    probe.measure(batch(), step=1)  # and it still works afterwards
+    assert _hook_count(model) == before_hooks and model.training
+
+
+def test_streaming_detach_removes_everything_and_context_manager_on_error():
+    model = build("qwen3")
+    before = _hook_count(model)
+    probe = fastspec.Probe(model, queries=True, prerope_keys=True)
+    with pytest.raises(RuntimeError, match="boom"):
+        with probe.streaming():
+            assert _hook_count(model) > before and hf_attention._PATCHES
+            raise RuntimeError("boom")
+    assert _hook_count(model) == before and not hf_attention._PATCHES and not hf_attention._CALLBACKS
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "autocast_bf16"])
+def test_grad_modes_and_autocast(mode):
+    model = build("llama")
+    inputs = batch(pad="right")
+    reference = _by_key(fastspec.Probe(model).measure(inputs, step=0))
+    probe = fastspec.Probe(model, emit_every=1)
+    ctx = {"no_grad": torch.no_grad(), "inference_mode": torch.inference_mode(),
+           "autocast_bf16": torch.autocast("cpu", dtype=torch.bfloat16)}[mode]
+    with probe.streaming():
+        with ctx:
+            model(**inputs)
+        model(**inputs)  # a normal forward after inference mode must still update the state
+        got = _by_key(probe.step(0))
+    assert got.keys() == reference.keys()
+    rel = 0.1 if mode == "autocast_bf16" else 1e-9  # bf16 activations: ~3 significant digits
+    for k, v in reference.items():
+        assert got[k] == pytest.approx(v, rel=rel)
+
+
+def test_compiled_model_measure_runs_eager_module_and_attach_explains():
+    model = build("gpt2")
+    inputs = batch()
+    compiled = torch.compile(model)
+    want = _by_key(fastspec.Probe(model).measure(inputs, step=0))
+    got = _by_key(fastspec.Probe(compiled).measure(inputs, step=0))
+    assert got == want
+    with pytest.raises(RuntimeError, match="torch.compile"):
+        fastspec.Probe(compiled).attach()
+
+
+def test_streaming_schedule_every_emit_reset_and_running_totals():
+    model = build("llama")
+    inputs = batch(B=2, T=8)
+    tokens = 16
+    for reset, expect_n in ((True, [2 * tokens, 2 * tokens]), (False, [2 * tokens, 4 * tokens])):
+        probe = fastspec.Probe(model, every=2, emit_every=4, reset=reset)
+        emitted = []
+        with probe.streaming():
+            for step in range(8):
+                model(**inputs)  # steps 0, 2, 4, 6 are captured
+                emitted.append(probe.step(step, tokens_seen=tokens * (step + 1)))
+        assert [len(e) > 0 for e in emitted] == [False, False, False, True] * 2
+        ns = [{r.value for r in e if r.metric == "n" and r.site == "keys"} for e in emitted if e]
+        assert ns == [{expect_n[0]}, {expect_n[1]}]
+        assert {r.tokens_seen for r in probe.records()} == {4 * tokens, 8 * tokens}
+
+
+def test_token_sampling_row_step():
+    model = build("gpt2")
+    inputs = batch(B=2, T=9)
+    probe = fastspec.Probe(model, row_step=3, emit_every=1)
+    with probe.streaming():
+        model(**inputs)
+        assert {r.value for r in probe.step(0) if r.metric == "n"} == {2 * 3}
+
+
+def test_state_dict_round_trip_resumes_exactly():
+    model = build("qwen3")
+    inputs = [batch(seed=s) for s in range(4)]
+    full = fastspec.Probe(model, emit_every=4, reset=False)
+    with full.streaming():
+        for i, b in enumerate(inputs):
+            model(**b)
+            full.step(i)
+    first = fastspec.Probe(model, emit_every=4, reset=False)
+    with first.streaming():
+        for i, b in enumerate(inputs[:2]):
+            model(**b)
+            first.step(i)
+    sd = first.state_dict()
+    resumed = fastspec.Probe(model, emit_every=4, reset=False)
+    resumed.load_state_dict(sd)
+    with resumed.streaming():
+        for i, b in enumerate(inputs[2:], start=2):
+            model(**b)
+            resumed.step(i)
+    a, b = full.records(), resumed.records()
+    assert len(a) == len(b) > 0
+    for ra, rb in zip(a, b):
+        assert (ra.site, ra.layer, ra.head, ra.metric, ra.step) == (rb.site, rb.layer, rb.head, rb.metric, rb.step)
+        if ra.site != "probe":  # the overhead record is a timing
+            assert rb.value == pytest.approx(ra.value, rel=1e-12, abs=1e-12)
+
+
+def test_records_dataframe_and_memory_independent_of_sequence_length():
+    pd = pytest.importorskip("pandas")
+    model = build("llama")
+    sizes = []
+    for T in (8, 32):
+        probe = fastspec.Probe(model, emit_every=1)
+        with probe.streaming():
+            model(**batch(B=4, T=T))
+            probe.step(0)
+        sizes.append(sum(t.numel() for e in probe.state_dict()["accumulators"] for t in e["state"].values()))
+        df = probe.to_dataframe()
+    assert sizes[0] == sizes[1]
+    assert list(df.columns) == ["step", "tokens_seen", "site", "layer", "head", "metric", "value"]
+    assert len(df) == len(probe.records()) and isinstance(df, pd.DataFrame)
+    assert probe.records()[0].as_dict().keys() == set(df.columns)
+
+
+def test_plain_module_with_module_sites():
+    net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    probe = fastspec.Probe(net, keys=False, ffn=False, modules=["1", fastspec.probe.ModuleSite("2", io="input")])
+    x = torch.randn(3, 10, 6)
+    captured = {}
+    h = net[1].register_forward_hook(lambda m, a, o: captured.__setitem__("out", o.detach()))
+    records = probe.measure(x, step=0)
+    h.remove()
+    pr = {r.site: r.value for r in records if r.metric == "participation_ratio"}
+    lam = torch.linalg.eigvalsh(torch.cov(captured["out"].reshape(-1, 16).double().T))
+    assert pr["1"] == pytest.approx(fastspec.metrics.participation_ratio(lam).item(), rel=1e-6)
+    assert pr["2"] == pytest.approx(pr["1"], rel=1e-6)  # input of [2] is the output of [1]
+
+
+@pytest.mark.parametrize("kwargs, exc, name", [
+    (dict(keys="yes"), TypeError, "keys"),
+    (dict(key_convention="svd"), ValueError, "key_convention"),
+    (dict(every=0), ValueError, "every"),
+    (dict(emit_every=1.5), ValueError, "emit_every"),
+    (dict(budget=2.0), ValueError, "budget"),
+    (dict(sync="some"), ValueError, "sync"),
+    (dict(modules=[3]), TypeError, "modules"),
+    (dict(modules="no.such.module"), ValueError, "modules"),
+    (dict(backend="cuda"), ValueError, "backend"),
+])
+def test_bad_arguments_name_the_argument(kwargs, exc, name):
+    model = build("gpt2")
+    with pytest.raises(exc, match=name):
+        fastspec.Probe(model, **kwargs).measure(batch(), step=0)
+
+
+def test_bad_inputs_name_the_argument():
+    with pytest.raises(TypeError, match="model"):
+        fastspec.Probe("gpt2")
+    with pytest.raises(ValueError, match="model"):
+        fastspec.Probe(torch.nn.Linear(2, 2))  # keys/ffn need an HF model
+    probe = fastspec.Probe(build("gpt2"))
+    with pytest.raises(TypeError, match="batch"):
+        probe.measure([1, 2, 3], step=0)
+    with pytest.raises(TypeError, match="step"):
+        probe.measure(batch(), step="0")
+    with pytest.raises(ValueError, match="prerope_keys"):
+        fastspec.Probe(build("gpt2"), prerope_keys=True)
+    with pytest.raises(ValueError, match="state_dict"):
+        probe.load_state_dict({"accumulators": []})
