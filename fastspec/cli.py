@@ -12,6 +12,8 @@ import sys
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("fastspec.cli_info", "show versions and which backends are available"),
+    "bench": ("fastspec.bench.cli", "time fastspec against torch.linalg baselines (one table, --json)"),
+    "compare": ("fastspec.bench.cli_compare", "accuracy only: fastspec vs torch.linalg fp32 vs fp64"),
 }
 
 

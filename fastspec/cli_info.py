@@ -3,7 +3,30 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import re
+
+
+def _nvidia_driver() -> str | None:
+    """NVIDIA kernel driver version from /proc (no subprocess), None without one."""
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            m = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", f.read())
+    except OSError:
+        return None
+    return m.group(1) if m else None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            m = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
+        if m:
+            return m.group(1).strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def environment() -> dict:
@@ -18,6 +41,8 @@ def environment() -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "driver": _nvidia_driver(),
+        "cpu": f"{_cpu_model()} ({os.cpu_count()} cores)",
     }
     try:
         import triton

@@ -1,0 +1,88 @@
+"""pytest-benchmark glue for ``benchmarks/bench_*.py``: parametrization and one benchmark body.
+
+Each case yields one test per side, ``fastspec`` and every baseline, grouped together so the
+pytest-benchmark table compares them in the same run. The fastspec side also asserts the case's
+accuracy claim, so the suites test the benchmark code itself when CI runs them with
+``--benchmark-disable`` (every body runs once, untimed).
+
+Size tier: ``FASTSPEC_BENCH_TIER`` (``quick``/``cpu``/``gpu``), default ``gpu`` with CUDA and
+``cpu`` without.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+
+import pytest
+import torch
+
+from .cases import Case, Inputs, cases, check_tier, default_device, default_tier
+
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def tier_and_device() -> tuple[str, torch.device]:
+    device = default_device()
+    tier = os.environ.get("FASTSPEC_BENCH_TIER") or default_tier(device)
+    return check_tier(tier), device
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "_", name).strip("_")
+
+
+def params(suite: str) -> list:
+    """``pytest.param(case, side)`` for every case of ``suite``; ids like ``B64-n128-fp32-auto-fastspec``."""
+    tier, device = tier_and_device()
+    out = []
+    for case in cases(suite, tier, device):
+        for side in ["fastspec", *case.baselines]:
+            marks = [pytest.mark.skip(reason=case.skip)] if case.skip else []
+            out.append(pytest.param(case, side, id=f"{case.id}-{_slug(side)}", marks=marks))
+    return out
+
+
+_last: dict[int, Inputs] = {}
+
+
+def _inputs(case: Case) -> Inputs:
+    """One setup per case: its sides are consecutive parameters, so keep only the last case's."""
+    if id(case) not in _last:
+        _last.clear()
+        _last[id(case)] = case.setup()
+    return _last[id(case)]
+
+
+def assert_accuracy(case: Case, errors: dict) -> None:
+    """The claim each suite makes, against fp64 (see benchmarks/README.md for why these bounds)."""
+    fast, base = errors["fastspec_error"], errors.get("baseline_error")
+    assert fast is not None and math.isfinite(fast), f"{case.id}: fastspec error is {fast}"
+    if case.suite in ("eigvalsh", "covariance", "keyrank"):
+        # no worse than 2× torch in the same precision (errors are relative to scale); the 4·eps
+        # floor covers a baseline that happens to round (nearly) exactly on a small input
+        assert fast <= 2 * base + 4 * EPS32, f"{case.id}: fastspec error {fast:.3g} vs torch {base:.3g}"
+    elif case.suite == "train_step":
+        assert fast == 0, f"{case.id}: the probe changed the loss by {fast:.3g}"
+
+
+def run_benchmark(benchmark, case: Case, side: str, *, rounds: int = 5, warmup: int = 2) -> None:
+    inputs = _inputs(case)
+    fn = case.fastspec if side == "fastspec" else case.baselines[side]
+    benchmark.group = f"{case.suite} {case.size}"
+    benchmark.extra_info.update(suite=case.suite, size=case.size, variant=case.variant, side=side)
+    if side == "fastspec":
+        errors = case.check(inputs)
+        benchmark.extra_info.update(error_kind=case.error_kind, **errors)
+        assert_accuracy(case, errors)
+    device = default_device()
+
+    def call():
+        fn(inputs)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    context = case.fastspec_context(inputs) if side == "fastspec" else contextlib.nullcontext()
+    with context:
+        benchmark.pedantic(call, rounds=rounds, warmup_rounds=warmup, iterations=1)

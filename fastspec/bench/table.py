@@ -1,0 +1,159 @@
+"""Tables of benchmark results: the terminal table of ``fastspec bench`` and the README block.
+
+The README's benchmark table is generated, never typed: every number in it comes from a result
+file in ``benchmarks/results/`` and each table names the device and file that produced it.
+
+    python -m fastspec.bench.table            # rewrite the block between the README markers
+    python -m fastspec.bench.table --check    # exit 1 if README.md is out of date
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+BEGIN, END = "<!-- bench-table -->", "<!-- /bench-table -->"
+BENCH_COLUMNS = ("suite", "size", "variant", "fastspec", "baseline", "baseline time", "speedup",
+                 "throughput", "accuracy")
+COMPARE_COLUMNS = ("family", "n", "variant", "fastspec err", "torch fp32 err", "ratio", "≤ 2× torch")
+
+
+def fmt_time(s: float | None) -> str:
+    if s is None:
+        return "—"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if s >= scale:
+            return f"{s / scale:.3g} {unit}"
+    return f"{s / 1e-9:.3g} ns"
+
+
+def fmt_num(x: float | None, spec: str = ".2g") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def bench_cells(row: dict) -> dict[str, str]:
+    """One result row as table cells (see :mod:`fastspec.bench.runner` for the fields)."""
+    cells = {k: "" for k in BENCH_COLUMNS}
+    cells.update(suite=row["suite"], size=row["size"], variant=row["variant"],
+                 baseline=row.get("baseline", ""))
+    if "skipped" in row or ("error" in row and "fastspec_s" not in row):
+        cells["fastspec"] = f"skipped: {row['skipped']}" if "skipped" in row else f"ERROR: {row['error']}"
+        return cells
+    cells.update({"fastspec": fmt_time(row["fastspec_s"]), "baseline time": fmt_time(row["baseline_s"]),
+                  "speedup": f"{row['speedup']:.2f}×"})
+    if "rate_unit" in row:
+        cells["throughput"] = f"{row['fastspec_rate']:.3g} vs {row['baseline_rate']:.3g} {row['rate_unit']}"
+    if "overhead_pct" in row:
+        cells["throughput"] = f"overhead {row['overhead_pct']:+.1f}% of step"
+    acc = f"{row['error_kind']}: {fmt_num(row['fastspec_error'])}"
+    if row.get("baseline_error") is not None:
+        acc += f" (baseline {fmt_num(row['baseline_error'])})"
+    if row.get("pr_diff_vs_baseline") is not None:
+        acc += f"; max |ΔPR| vs baseline {fmt_num(row['pr_diff_vs_baseline'])}"
+    if "error" in row:
+        acc += f" ERROR: {row['error']}"
+    cells["accuracy"] = acc
+    return cells
+
+
+def compare_cells(row: dict) -> dict[str, str]:
+    cells = {"family": row["family"], "n": str(row["n"]), "variant": row["variant"]}
+    if "error" in row:
+        return {**cells, "fastspec err": f"ERROR: {row['error']}"}
+    return {**cells, "fastspec err": fmt_num(row["fastspec_error"]),
+            "torch fp32 err": fmt_num(row["torch_fp32_error"]), "ratio": fmt_num(row["ratio"], ".3g"),
+            "≤ 2× torch": "yes" if row["within_2x_torch"] else "NO"}
+
+
+def render_text(columns: tuple[str, ...], cells: list[dict[str, str]]) -> str:
+    widths = [max([len(c)] + [len(r.get(c, "")) for r in cells]) for c in columns]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(r.get(c, "").ljust(w) for c, w in zip(columns, widths)).rstrip() for r in cells]
+    return "\n".join(lines)
+
+
+def render_markdown(columns: tuple[str, ...], cells: list[dict[str, str]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(r.get(c, "").replace("|", "\\|") for c in columns) + " |" for r in cells]
+    return "\n".join(lines)
+
+
+def describe_environment(env: dict) -> str:
+    """``device (driver, CUDA) · torch · triton · fastspec`` in one line."""
+    device = env["device"] if env["device"] != "cpu" else f"CPU: {env.get('cpu', 'cpu')}"
+    if env.get("driver") or env.get("cuda"):
+        device += f" (driver {env.get('driver') or '?'}, CUDA {env.get('cuda') or '?'})"
+    return (f"{device} · torch {env['torch']} · triton {env.get('triton') or 'not installed'}"
+            f" · fastspec {env['fastspec']}")
+
+
+def load_results(results_dir: Path) -> list[tuple[Path, dict]]:
+    """``fastspec bench --json`` documents in ``results_dir``, sorted by file name."""
+    out = []
+    for path in sorted(Path(results_dir).glob("*.json")):
+        doc = json.loads(path.read_text())
+        if doc.get("kind") == "bench":
+            out.append((path, doc))
+    return out
+
+
+def readme_block(results_dir: Path, relative_to: Path = Path(".")) -> str:
+    """The markdown between the README markers: one table per result file, measured rows only.
+
+    File names are written relative to ``relative_to`` (the README's folder).
+    """
+    parts = []
+    for path, doc in load_results(results_dir):
+        name = Path(os.path.relpath(path, relative_to)).as_posix()
+        measured = [r for r in doc["results"] if "fastspec_s" in r]
+        left_out = len(doc["results"]) - len(measured)
+        threads = f", torch threads: {doc['torch_threads']}" if doc["environment"]["device"] == "cpu" else ""
+        parts.append(f"**{describe_environment(doc['environment'])}** — {doc['date'][:10]}{threads}, "
+                     f"`{doc['tier']}` sizes, from `{name}`"
+                     + (f" ({left_out} case(s) not run there: see the file)" if left_out else "") + "\n")
+        parts.append(render_markdown(BENCH_COLUMNS, [bench_cells(r) for r in measured]) + "\n")
+    if not parts:
+        parts.append("No benchmark results committed yet.\n")
+    return "\n".join(parts)
+
+
+def splice(readme: str, block: str) -> str:
+    """``readme`` with the text between the markers replaced by ``block``."""
+    if readme.count(BEGIN) != 1 or readme.count(END) != 1 or readme.index(BEGIN) > readme.index(END):
+        raise ValueError(f"readme: expected one {BEGIN} ... {END} block")
+    head, rest = readme.split(BEGIN)
+    tail = rest.split(END)[1]
+    return f"{head}{BEGIN}\n{block}{END}{tail}"
+
+
+def update_readme(readme: Path, results_dir: Path, *, check: bool = False) -> bool:
+    """Rewrite (or with ``check`` only compare) the README block; True if it was up to date."""
+    readme = Path(readme)
+    text = readme.read_text()
+    new = splice(text, readme_block(results_dir, readme.parent))
+    if new == text:
+        return True
+    if not check:
+        readme.write_text(new)
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fastspec.bench.table", description=__doc__.splitlines()[0])
+    p.add_argument("--readme", type=Path, default=Path("README.md"))
+    p.add_argument("--results", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--check", action="store_true", help="only check; exit 1 if README.md is stale")
+    args = p.parse_args(argv)
+    fresh = update_readme(args.readme, args.results, check=args.check)
+    if args.check and not fresh:
+        print(f"{args.readme} benchmark table is out of date: run python -m fastspec.bench.table",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""The benchmark baselines and timers do what they claim (they are the other side of every claim)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from fastspec.bench.cases import SUITES, cases, max_rel_err
+from fastspec.bench.timing import measure, measure_interleaved
+
+CPU = torch.device("cpu")
+
+
+def test_hand_key_rank_sees_post_rope_keys():
+    """The hand protocol's keys are what attention uses: compare with the KV cache (post-RoPE)."""
+    pytest.importorskip("transformers")
+    from fastspec.bench.cases_models import MODEL_SHAPES, build_llama, hand_key_rank
+
+    model = build_llama("quick", CPU)
+    ids = torch.randint(MODEL_SHAPES["quick"]["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    got = hand_key_rank(model, batch, torch.float64)
+    with torch.no_grad():
+        cache = model.eval()(**batch, use_cache=True).past_key_values
+    for layer in range(got.shape[0]):
+        k = cache.layers[layer].keys if hasattr(cache, "layers") else cache.key_cache[layer]  # [B, H, T, d]
+        for h in range(got.shape[1]):
+            s = torch.linalg.svdvals(k[:, h].reshape(-1, k.shape[-1]).double())
+            assert got[layer, h].item() == pytest.approx((s.sum() ** 2 / (s ** 2).sum()).item(), rel=1e-12)
+
+
+def test_hand_key_rank_restores_train_mode_and_removes_hooks():
+    pytest.importorskip("transformers")
+    from fastspec.bench.cases_models import build_llama, hand_key_rank
+
+    model = build_llama("quick", CPU).train()
+    ids = torch.randint(100, (1, 8))
+    hand_key_rank(model, {"input_ids": ids})
+    assert model.training
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_max_rel_err_is_relative_to_each_matrix_scale():
+    ref = torch.tensor([[1.0, 2.0], [1e-6, 2e-6]], dtype=torch.float64)
+    x = ref * (1 + torch.tensor([[1e-3], [1e-2]], dtype=torch.float64))
+    # matrix 1: 2e-3/2 = 1e-3; matrix 2: 2e-8/2e-6 = 1e-2 (not hidden by matrix 1's scale)
+    assert max_rel_err(x, ref) == pytest.approx(1e-2)
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_every_tier_has_cases_with_readable_unique_ids(suite):
+    for tier in ("quick", "cpu", "gpu"):
+        ids = [c.id for c in cases(suite, tier, CPU)]
+        assert ids and len(ids) == len(set(ids))
+        assert all(" " not in i for i in ids)
+
+
+def test_unknown_suite_and_tier_are_refused():
+    with pytest.raises(ValueError, match="suite"):
+        cases("svd", "quick", CPU)
+    with pytest.raises(ValueError, match="tier"):
+        cases("eigvalsh", "huge", CPU)
+
+
+def test_timer_measures_wall_clock_and_interleaves():
+    order = []
+    t = measure_interleaved([lambda: (order.append("a"), time.sleep(0.02)), lambda: order.append("b")],
+                            device=CPU, warmup=1, repeats=3)
+    assert order == ["a", "b"] * 4  # round-robin, warmup round included
+    assert t[0].median >= 0.02 and t[0].min <= t[0].median and t[0].repeats == 3
+    assert t[1].median < t[0].median
+
+
+def test_timer_refuses_bad_counts():
+    with pytest.raises(ValueError, match="repeats"):
+        measure(lambda: None, device=CPU, repeats=0)
