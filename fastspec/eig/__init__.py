@@ -1,4 +1,5 @@
-"""Batched symmetric eigenvalues: one switch point between torch.linalg and fastspec's solver."""
-from .dispatch import backends, eigvalsh
+"""Batched symmetric eigenvalues: one switch point (dispatch.py) between torch.linalg and
+fastspec's native solver (csrc/: CUDA kernel + host twin, launched from native.py)."""
+from .dispatch import BACKENDS, backends, eigvalsh
 
-__all__ = ["eigvalsh", "backends"]
+__all__ = ["BACKENDS", "eigvalsh", "backends"]

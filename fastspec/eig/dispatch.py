@@ -1,17 +1,34 @@
 """``fastspec.eigvalsh``: drop-in for ``torch.linalg.eigvalsh`` that picks the fastest solver.
 
 Semantics match torch: ``A: [..., n, n]`` real symmetric (only the lower triangle is read),
-result ``[..., n]`` ascending, same dtype as ``A``. Backends:
+result ``[..., n]`` ascending, same dtype as ``A``; float16/bfloat16 are solved in float32.
+Backends:
 
 * ``"torch"``: ``torch.linalg.eigvalsh`` (the reference and the universal fallback).
-* ``"auto"``: the fastest available backend for the input (today: torch).
+* ``"cuda"``: fastspec's batched kernel (csrc/eig_cuda.cu), one thread block per matrix:
+  Householder tridiagonalization in shared memory + Sturm bisection. CUDA float32/float64.
+* ``"host"``: the host twin of the same numerics (csrc/eig_core.h) on CPU tensors; for tests
+  and CPU-only checks of the algorithm, not for speed.
+* ``"auto"``: ``"cuda"`` for CUDA float32/float64 inputs with ``n <= 256`` that need no gradient,
+  else ``"torch"``. When ``"cuda"`` would apply but the extension is not usable, one log line on
+  the ``fastspec`` logger says why (once per process) and torch is used.
+
+Native backends return NaN for every eigenvalue of a matrix whose lower triangle holds NaN/Inf
+(its batch neighbours are unaffected), and have no autograd: use ``"torch"`` for gradients.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import Tensor
 
-BACKENDS = ("auto", "torch")
+from . import native
+
+BACKENDS = ("auto", "torch", "cuda", "host")
+
+log = logging.getLogger("fastspec")
+_fallback_logged = False
 
 
 def _check(A: Tensor) -> None:
@@ -23,16 +40,58 @@ def _check(A: Tensor) -> None:
         raise ValueError(f"A: expected square matrices [..., n, n], got shape {list(A.shape)}")
 
 
+def _log_fallback_once(reason: str) -> None:
+    global _fallback_logged
+    if _fallback_logged or torch.compiler.is_compiling():
+        return
+    _fallback_logged = True
+    log.warning("fastspec.eigvalsh: CUDA eigensolver unavailable (%s); using torch.linalg.eigvalsh", reason)
+
+
+def _auto(A: Tensor) -> str:
+    wants_grad = A.requires_grad and torch.is_grad_enabled()
+    if A.device.type != "cuda" or A.dtype not in native.DTYPES or A.shape[-1] > native.CUDA_MAX_N or wants_grad:
+        return "torch"
+    ok, reason = native.status("cuda")
+    if not ok:
+        _log_fallback_once(reason)
+        return "torch"
+    return "cuda"
+
+
 def eigvalsh(A: Tensor, *, backend: str = "auto") -> Tensor:
-    """Eigenvalues of symmetric ``A: [..., n, n]``, ascending, ``[..., n]`` (lower triangle used)."""
+    """Eigenvalues ``[..., n]`` (ascending) of symmetric ``A: [..., n, n]``, lower triangle used.
+
+    ``backend``: ``"auto"`` | ``"torch"`` | ``"cuda"`` | ``"host"`` (module docstring).
+    The native backends run through ``torch.ops.fastspec.eigvalsh`` (a ``torch.library``
+    custom op with a fake implementation), so this works under ``torch.compile``.
+    """
     _check(A)
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if A.dtype in (torch.float16, torch.bfloat16):
-        return torch.linalg.eigvalsh(A.float()).to(A.dtype)
-    return torch.linalg.eigvalsh(A)
+        return eigvalsh(A.float(), backend=backend).to(A.dtype)
+    if backend == "auto":
+        backend = _auto(A)
+    if backend == "torch":
+        return torch.linalg.eigvalsh(A)
+    expected = "cuda" if backend == "cuda" else "cpu"
+    if A.device.type != expected:
+        raise ValueError(f"A: backend={backend!r} takes {expected} tensors, got device {A.device}")
+    if A.dtype not in native.DTYPES:
+        raise TypeError(f"A: backend={backend!r} takes float32/float64, got {A.dtype}")
+    ok, reason = native.status(backend)
+    if not ok:
+        raise RuntimeError(f"backend: {backend!r} unavailable here: {reason}")
+    if A.shape[-1] == 0 or A.numel() == 0:
+        return A.new_empty(A.shape[:-1])
+    return torch.ops.fastspec.eigvalsh(A)
 
 
 def backends() -> dict[str, dict[str, object]]:
     """What each eigvalsh backend can do here: ``{name: {"available": bool, "reason": str}}``."""
-    return {"torch": {"available": True, "reason": "torch.linalg.eigvalsh"}}
+    out: dict[str, dict[str, object]] = {"torch": {"available": True, "reason": "torch.linalg.eigvalsh"}}
+    for name in ("cuda", "host"):
+        ok, reason = native.status(name)
+        out[name] = {"available": ok, "reason": reason}
+    return out
