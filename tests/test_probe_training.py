@@ -144,6 +144,20 @@ def test_compiled_model_measure_runs_eager_module_and_attach_explains():
         fastspec.Probe(compiled).attach()
 
 
+def test_attach_then_compile_captures_at_graph_breaks():
+    model = build("gpt2")
+    inputs = batch(pad="right")
+    want = _by_key(fastspec.Probe(model).measure(inputs, step=0))
+    probe = fastspec.Probe(model, emit_every=1).attach()
+    compiled = torch.compile(model, backend="eager")  # dynamo tracing without inductor codegen
+    compiled(**inputs)
+    got = _by_key(probe.step(0))
+    probe.detach()
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-9)
+
+
 def test_streaming_schedule_every_emit_reset_and_running_totals():
     model = build("llama")
     inputs = batch(B=2, T=8)
@@ -260,3 +274,30 @@ def test_bad_inputs_name_the_argument():
         fastspec.Probe(build("gpt2"), prerope_keys=True)
     with pytest.raises(ValueError, match="state_dict"):
         probe.load_state_dict({"accumulators": []})
+
+
+def test_registering_a_family_and_unknown_families(monkeypatch):
+    model = build("llama")
+    monkeypatch.setattr(model.config, "model_type", "my_llama", raising=False)
+    with pytest.warns(UserWarning, match="FAMILIES"):
+        fastspec.Probe(model)  # unknown: Llama layout assumed, with a warning
+    monkeypatch.setitem(fastspec.probe.FAMILIES, "my_llama", fastspec.probe.Family(
+        ffn=r"(?:.*\.)?layers\.(\d+)\.mlp\.up_proj"))  # a different site, to see the table is used
+    captured = {}
+    h = model.model.layers[0].mlp.up_proj.register_forward_pre_hook(lambda m, a: captured.__setitem__(0, a[0]))
+    records = fastspec.Probe(model, keys=False).measure(batch(), step=0)
+    h.remove()
+    n = {r.layer: r.value for r in records if r.site == "ffn" and r.metric == "n"}
+    assert n == {0: 36.0, 1: 36.0}
+    lam = torch.linalg.eigvalsh(torch.cov(captured[0].reshape(-1, 32).double().T))
+    pr = [r.value for r in records if r.site == "ffn" and r.layer == 0 and r.metric == "participation_ratio"]
+    assert pr == [pytest.approx(fastspec.metrics.participation_ratio(lam).item(), rel=1e-6)]
+
+
+def test_warns_when_the_model_bypasses_the_attention_interface(monkeypatch):
+    model = build("bert")
+    # a model whose attention never reaches the interface: patch the watch to intercept nothing
+    monkeypatch.setattr(hf_attention, "watch", lambda callbacks, impl: hf_attention.Watch([], []))
+    with pytest.warns(UserWarning, match="no keys were captured"):
+        records = fastspec.Probe(model).measure(batch(), step=0)
+    assert {r.site for r in records} == {"ffn"}

@@ -61,7 +61,9 @@ def _check_pos_int(name: str, value: Any) -> int:
 
 
 def _unwrap_compiled(model: nn.Module) -> tuple[nn.Module, bool]:
-    """``torch.compile(model)`` returns a wrapper around the eager module: probe the eager one."""
+    """``torch.compile(model)`` and DDP return wrappers around the eager module: probe that one."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        model = model.module
     orig = getattr(model, "_orig_mod", None)
     if isinstance(orig, nn.Module):
         return orig, True
@@ -143,6 +145,12 @@ class Probe:
         self._history: list[Record] = []
         self._pending: list[PendingRecords] = []
         self._forward_sig = self._signature(self.model)
+        # In a model compiled after attach(), dynamo breaks the graph at these and runs them
+        # eagerly instead of tracing the probe's Python state into the graph. (Wrapped here, not
+        # with a decorator, so that `import fastspec` does not import torch._dynamo.)
+        self._capture = torch.compiler.disable(self._capture_eager)
+        self._on_forward_start = torch.compiler.disable(self._forward_start)
+        self._on_forward_end = torch.compiler.disable(self._forward_end)
 
     # ------------------------------------------------------------ configuration
     @staticmethod
@@ -195,15 +203,11 @@ class Probe:
         mask = mask[:, mask.shape[1] - x.shape[1]:]
         return mask if mask.device == x.device else mask.to(x.device, non_blocking=True)
 
-    def _capture(self, site: str, layer: int | None, x: Tensor, *, headed: bool, convention: str,
+    def _capture_eager(self, site: str, layer: int | None, x: Tensor, *, headed: bool, convention: str,
                  head_offset: int = 0) -> None:
         target = self._target
         if target is None or self._depth == 0:
             return  # outside the model's own forward: e.g. the checkpoint recompute in backward
-        if torch.compiler.is_compiling():
-            raise RuntimeError("fastspec.Probe: a capture hook ran inside a torch.compile'd graph. Streaming "
-                               "probes need eager forwards: attach the probe to the uncompiled model, or use "
-                               "probe.measure() (which runs the eager module of a compiled model).")
         token = self._timer.start(x.device)
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.no_grad())
@@ -254,8 +258,8 @@ class Probe:
 
     def _install_into(self, handles: list) -> None:
         model = self.model
-        handles.append(model.register_forward_pre_hook(self._forward_start, with_kwargs=True))
-        handles.append(model.register_forward_hook(self._forward_end, always_call=True))
+        handles.append(model.register_forward_pre_hook(self._on_forward_start, with_kwargs=True))
+        handles.append(model.register_forward_hook(self._on_forward_end, always_call=True))
         if self.keys or self.queries:
             callbacks = {}
             for name, mod in model.named_modules():
@@ -376,6 +380,7 @@ class Probe:
             with torch.no_grad():
                 model(**batch) if isinstance(batch, dict) else model(batch)
             self._target = previous_target
+            self._warn_missing(collector)
             pending = self._emit(collector, step, tokens_seen, extra=())
         finally:
             self._target = previous_target
@@ -388,13 +393,23 @@ class Probe:
         self._history.extend(records)
         return records
 
+    def _warn_missing(self, collector: Collector) -> None:
+        seen = {site for site, _ in collector.accs}
+        for site, wanted in (("keys", self.keys), ("queries", self.queries)):
+            if wanted and site not in seen:
+                warnings.warn(f"fastspec.Probe: no {site} were captured: this model never called the Hugging "
+                              f"Face attention interface (older transformers route some families, e.g. "
+                              f"BERT before 4.50, around it). Upgrade transformers, or probe the projections "
+                              f"with modules=ModuleSite(..., heads=H).", stacklevel=3)
+
     # ---------------------------------------------------------------- streaming
     def attach(self) -> "Probe":
         """Start streaming: hooks stay on and captures go to the running accumulators."""
         if self._compiled:
-            raise RuntimeError("attach: this model is torch.compile'd; capture hooks cannot run inside a "
-                               "compiled graph. Attach the probe to the uncompiled model (and compile "
-                               "submodules only), or use probe.measure() (runs the eager module).")
+            raise RuntimeError("attach: this model is already torch.compile'd, and a compiled graph would "
+                               "not see hooks added now. Attach the probe to the uncompiled model first and "
+                               "compile afterwards (captures then run eagerly at graph breaks), or use "
+                               "probe.measure(), which runs the eager module.")
         if self._streaming:
             return self
         if self._handles is None:
