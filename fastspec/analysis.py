@@ -1,0 +1,277 @@
+"""Analysis of probe records: trajectories, summary tables, width-sweep fits, tail fits.
+
+Every function takes *records* in the tidy format of :class:`fastspec.Record` — a list of
+``Record``s, a list of dicts, or a ``pandas.DataFrame`` with the columns
+
+    step, tokens_seen, site, layer, head, metric, value   (+ optional ``condition``, ``width``)
+
+and returns a ``pandas.DataFrame``. Records hold one value per (layer, head); per-layer values
+are the mean over heads (SPEC §5 "mean over heads per layer"), whole-model values the mean over
+layers of those. Fits build on :func:`fastspec.fit_power_law` and :func:`fastspec.tail_index`
+(SPEC §4).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, is_dataclass
+
+import numpy as np
+import pandas as pd
+
+from .fits import fit_power_law, tail_index
+
+__all__ = [
+    "to_frame",
+    "layer_means",
+    "trajectory",
+    "summary_table",
+    "layer_table",
+    "layer_zones",
+    "width_fits",
+    "utilization_slopes",
+    "tail_fits",
+]
+
+RECORD_COLUMNS = ["step", "tokens_seen", "site", "layer", "head", "metric", "value"]
+# The key-rank study's headline quantity (SPEC §5) and the default everywhere below.
+KEY_SITE, KEY_METRIC = "keys", "participation_ratio"
+
+
+def to_frame(records) -> pd.DataFrame:
+    """Records (``Record``s, dicts or a DataFrame) -> DataFrame with at least ``RECORD_COLUMNS``.
+
+    A ``condition`` column is added (``""``) when absent, so every table can group by it.
+    """
+    if isinstance(records, pd.DataFrame):
+        df = records.copy()
+    elif isinstance(records, Iterable) and not isinstance(records, (str, bytes, Mapping)):
+        rows = []
+        for r in records:
+            if hasattr(r, "as_dict"):
+                rows.append(r.as_dict())
+            elif is_dataclass(r):
+                rows.append(asdict(r))
+            elif isinstance(r, Mapping):
+                rows.append(dict(r))
+            else:
+                raise TypeError(f"records: expected Record objects or dicts, got {type(r).__name__}")
+        df = pd.DataFrame(rows, columns=None if rows else RECORD_COLUMNS)
+    else:
+        raise TypeError(f"records: expected a list of Records/dicts or a DataFrame, got {type(records).__name__}")
+    missing = [c for c in RECORD_COLUMNS if c not in df.columns]
+    if missing:
+        raise ValueError(f"records: missing columns {missing}")
+    if "condition" not in df.columns:
+        df["condition"] = ""
+    df["condition"] = df["condition"].fillna("").astype(str)
+    for col in ("step", "layer", "head", "tokens_seen"):  # nullable ints: None stays <NA>, 3 stays 3
+        df[col] = pd.to_numeric(df[col], errors="coerce").astype("Int64")
+    df["value"] = pd.to_numeric(df["value"], errors="coerce").astype(float)
+    return df
+
+
+def _in_condition_order(out: pd.DataFrame, df: pd.DataFrame, *cols: str) -> pd.DataFrame:
+    """Sort by condition in order of first appearance in ``df`` (run order), then ``cols``."""
+    order = {c: i for i, c in enumerate(dict.fromkeys(df["condition"]))}
+    out = out.assign(_o=out["condition"].map(order)).sort_values(["_o", *cols], kind="stable")
+    return out.drop(columns="_o").reset_index(drop=True)
+
+
+def _select(df: pd.DataFrame, site: str, metric: str) -> pd.DataFrame:
+    sel = df[(df["site"] == site) & (df["metric"] == metric)]
+    if sel.empty:
+        have = sorted({f"{s}/{m}" for s, m in zip(df["site"], df["metric"])})
+        raise ValueError(f"site, metric: no records for {site}/{metric}; have {have}")
+    return sel
+
+
+def layer_means(records, site: str = KEY_SITE, metric: str = KEY_METRIC) -> pd.DataFrame:
+    """Mean over heads per (condition, step, layer): columns condition, step, tokens_seen, layer, value."""
+    df = _select(to_frame(records), site, metric)
+    keys = ["condition", "step", "layer"]
+    out = (df.groupby(keys, dropna=False, sort=False)
+             .agg(tokens_seen=("tokens_seen", "first"), value=("value", "mean"))
+             .reset_index())
+    return _in_condition_order(out[["condition", "step", "tokens_seen", "layer", "value"]], df, "step", "layer")
+
+
+def trajectory(records, site: str = KEY_SITE, metric: str = KEY_METRIC) -> pd.DataFrame:
+    """Per (condition, step): mean, min, max and std across layers of the per-layer means.
+
+    Columns: condition, step, tokens_seen, mean, min, max, std (std is 0 for one layer).
+    """
+    lm = layer_means(records, site, metric)
+    out = (lm.groupby(["condition", "step"], sort=False)
+             .agg(tokens_seen=("tokens_seen", "first"), mean=("value", "mean"),
+                  min=("value", "min"), max=("value", "max"), std=("value", lambda v: v.std(ddof=0)))
+             .reset_index())
+    return _in_condition_order(out, lm, "step")
+
+
+def summary_table(records, site: str = KEY_SITE, metric: str = KEY_METRIC) -> pd.DataFrame:
+    """The demo's headline table, one row per condition (SPEC §5 key-rank study).
+
+    ``initial``/``min``/``final``: whole-model mean (over layers of head means) at the first
+    step, its minimum over steps (with ``min_step``), and at the last step. ``collapsed_layer``:
+    the layer whose final per-layer mean dropped most relative to its initial value, with its
+    ``collapsed_initial``/``collapsed_final``. ``train_loss``/``eval_loss``: last value of the
+    ``site="loss"`` records of those names, when present.
+    """
+    df = to_frame(records)
+    traj = trajectory(df, site, metric)
+    lm = layer_means(df, site, metric)
+    rows = []
+    for cond, t in traj.groupby("condition", sort=False):
+        t = t.sort_values("step")
+        i_min = t["mean"].idxmin()
+        layers = lm[lm["condition"] == cond]
+        first = layers[layers["step"] == t["step"].iloc[0]].set_index("layer")["value"]
+        last = layers[layers["step"] == t["step"].iloc[-1]].set_index("layer")["value"]
+        drop = (last / first).dropna()
+        worst = drop.idxmin() if len(drop) else None
+        row = {
+            "condition": cond,
+            "initial": float(t["mean"].iloc[0]),
+            "min": float(t.loc[i_min, "mean"]),
+            "min_step": int(t.loc[i_min, "step"]),
+            "final": float(t["mean"].iloc[-1]),
+            "final_step": int(t["step"].iloc[-1]),
+            "collapsed_layer": None if worst is None else int(worst),
+            "collapsed_initial": None if worst is None else float(first[worst]),
+            "collapsed_final": None if worst is None else float(last[worst]),
+        }
+        for loss in ("train_loss", "eval_loss"):
+            sel = df[(df["condition"] == cond) & (df["site"] == "loss") & (df["metric"] == loss)]
+            if not sel.empty:
+                row[loss] = float(sel.sort_values("step")["value"].iloc[-1])
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def layer_table(records, site: str = KEY_SITE, metric: str = KEY_METRIC, which: str = "final") -> pd.DataFrame:
+    """Per-layer head means at the ``"initial"`` or ``"final"`` step: index layer, one column per condition."""
+    if which not in ("initial", "final"):
+        raise ValueError(f"which: expected 'initial' or 'final', got {which!r}")
+    lm = layer_means(records, site, metric)
+    pick = lm.groupby("condition")["step"].transform("min" if which == "initial" else "max")
+    table = lm[lm["step"] == pick].pivot(index="layer", columns="condition", values="value")
+    return table[list(dict.fromkeys(lm["condition"]))]  # run order, not alphabetical
+
+
+def layer_zones(records, site: str = KEY_SITE, metric: str = KEY_METRIC, n_zones: int = 3) -> pd.DataFrame:
+    """Layers split into ``n_zones`` contiguous depth zones (early / middle / late for 3).
+
+    One row per (condition, zone): the zone's layers and the mean over its layers at the
+    initial and final step, and their ratio.
+    """
+    if not isinstance(n_zones, int) or n_zones < 1:
+        raise ValueError(f"n_zones: expected a positive int, got {n_zones!r}")
+    ini, fin = layer_table(records, site, metric, "initial"), layer_table(records, site, metric, "final")
+    layers = [int(i) for i in sorted(ini.index)]
+    n_zones = min(n_zones, len(layers))  # never an empty zone
+    names = {1: ["all"], 2: ["early", "late"], 3: ["early", "middle", "late"]}.get(
+        n_zones, [f"zone{i}" for i in range(n_zones)])
+    rows = []
+    for cond in ini.columns:
+        for name, chunk in zip(names, np.array_split(np.asarray(layers), n_zones)):
+            chunk = chunk.tolist()
+            a, b = float(ini.loc[chunk, cond].mean()), float(fin.loc[chunk, cond].mean())
+            rows.append({"condition": cond, "zone": name, "layers": f"{chunk[0]}-{chunk[-1]}",
+                         "initial": a, "final": b, "ratio": b / a})
+    return pd.DataFrame(rows)
+
+
+def _per_width_layers(df: pd.DataFrame, metric: str, site: str, width_col: str, step) -> dict[float, np.ndarray]:
+    sel = _select(df, site, metric)
+    if step == "final":
+        sel = sel[sel["step"] == sel.groupby(width_col)["step"].transform("max")]
+    elif step is not None:
+        sel = sel[sel["step"] == step]
+    per_layer = sel.groupby([width_col, "layer"], dropna=False)["value"].mean()
+    out = {float(w): g.to_numpy() for w, g in per_layer.groupby(level=0)}
+    if len(out) < 2:
+        raise ValueError(f"{width_col}: a width fit needs records of at least 2 widths, got {len(out)}")
+    return out
+
+
+def width_fits(records, metrics=("participation_ratio", "entropy_rank"), *, site: str = "ffn",
+               width_col: str = "width", step="final", n_boot: int = 1000, ci: float = 0.95,
+               seed: int = 0) -> pd.DataFrame:
+    """Power-law fits of layer-median ``metric`` vs width across a width sweep (SPEC §4, §5).
+
+    ``records`` must carry a ``width_col`` column (the FFN width D of the model each record
+    came from). Per width the per-layer value (mean over heads, if any) is reduced to the
+    median over layers; ``log median = β log D + c`` is fitted with :func:`fastspec.fit_power_law`.
+    The CI on β is a percentile bootstrap over layers: each replicate resamples every width's
+    layers with replacement and refits. ``step``: ``"final"`` (each width's last step), an int,
+    or None (all steps pooled).
+
+    Returns one row per metric: metric, beta, intercept, r2, stderr, ci_low, ci_high, n_widths,
+    widths, medians.
+    """
+    df = to_frame(records)
+    if width_col not in df.columns:
+        raise ValueError(f"width_col: records have no {width_col!r} column")
+    if not 0 < ci < 1:
+        raise ValueError(f"ci: expected a level in (0, 1), got {ci}")
+    if isinstance(metrics, str):
+        metrics = (metrics,)
+    rng = np.random.default_rng(seed)
+    rows = []
+    for metric in metrics:
+        per = _per_width_layers(df, metric, site, width_col, step)
+        widths = np.array(sorted(per))
+        medians = np.array([np.median(per[w]) for w in widths])
+        fit = fit_power_law(widths, medians)
+        betas = np.empty(n_boot)
+        for b in range(n_boot):
+            boot = [np.median(rng.choice(per[w], size=len(per[w]), replace=True)) for w in widths]
+            betas[b] = fit_power_law(widths, boot).beta
+        lo, hi = np.quantile(betas, [(1 - ci) / 2, (1 + ci) / 2]) if n_boot else (np.nan, np.nan)
+        rows.append({"metric": metric, "beta": fit.beta, "intercept": fit.intercept, "r2": fit.r2,
+                     "stderr": fit.stderr, "ci_low": float(lo), "ci_high": float(hi),
+                     "n_widths": len(widths), "widths": widths.tolist(), "medians": medians.tolist()})
+    return pd.DataFrame(rows)
+
+
+def utilization_slopes(records, *, site: str = "ffn", width_col: str = "width", **kwargs) -> pd.DataFrame:
+    """Width fits of the utilization-type metrics present (``utilization = PR/D`` and the
+    normalized hard/soft ranks): β < 0 means wider layers use a smaller share of their width.
+    For ``utilization`` β equals the hard-rank β minus 1 on the same data (PR = D·utilization)."""
+    df = to_frame(records)
+    present = [m for m in ("utilization", "hard_rank_normalized", "soft_rank_normalized")
+               if ((df["site"] == site) & (df["metric"] == m)).any()]
+    if not present:
+        raise ValueError(f"records: no utilization metrics for site {site!r}")
+    return width_fits(df, present, site=site, width_col=width_col, **kwargs)
+
+
+def tail_fits(spectra, start: int | None = None, stop: int | None = None) -> pd.DataFrame:
+    """Tail index ``a`` of ``λ_k ∝ k^(−a)`` and ``λ_max`` for each spectrum (SPEC §4).
+
+    ``spectra``: a mapping name -> 1-D spectrum, or an array/tensor ``[..., D]`` (each leading
+    index is one spectrum, named by its index tuple). Window as in :func:`fastspec.tail_index`.
+    Columns: name, D, lambda_max, a, r2, stderr, start, stop.
+    """
+    if isinstance(spectra, Mapping):
+        items = list(spectra.items())
+    else:
+        try:
+            import torch
+            if isinstance(spectra, torch.Tensor):
+                spectra = spectra.detach().double().cpu().numpy()
+        except ImportError:
+            pass
+        arr = np.asarray(spectra, dtype=float)
+        if arr.ndim == 0:
+            raise ValueError("spectra: expected [..., D] or a mapping of 1-D spectra, got a scalar")
+        flat = arr.reshape(-1, arr.shape[-1])
+        idx = list(np.ndindex(arr.shape[:-1])) or [()]
+        items = [(i if len(i) != 1 else i[0], flat[k]) for k, i in enumerate(idx)]
+    rows = []
+    for name, v in items:
+        fit = tail_index(v, start, stop)
+        v = np.asarray(v.detach().cpu().double() if hasattr(v, "detach") else v, dtype=float)
+        rows.append({"name": name, "D": len(v), "lambda_max": float(np.max(v)), "a": fit.a,
+                     "r2": fit.r2, "stderr": fit.stderr, "start": fit.start, "stop": fit.stop})
+    return pd.DataFrame(rows)

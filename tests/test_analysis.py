@@ -1,0 +1,166 @@
+"""Analysis tables and fits (SPEC §4, §5) against values computed by hand from the records."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+pd = pytest.importorskip("pandas")
+
+from fastspec import analysis  # noqa: E402
+from fastspec.probe import Record  # noqa: E402
+
+
+def _records(values: dict, site="keys", metric="participation_ratio", condition=None, width=None):
+    """values: {(step, layer, head): value} -> list of record dicts."""
+    rows = []
+    for (step, layer, head), v in values.items():
+        r = Record(step, step * 100, site, layer, head, metric, float(v)).as_dict()
+        if condition is not None:
+            r["condition"] = condition
+        if width is not None:
+            r["width"] = width
+        rows.append(r)
+    return rows
+
+
+def _study():
+    """Two conditions, 3 layers × 2 heads, steps 0/10/20, with known per-layer means."""
+    rng = np.random.default_rng(0)
+    recs, truth = [], {}
+    for cond, decay in (("a", 0.9), ("b", 0.6)):
+        for step in (0, 10, 20):
+            for layer in range(3):
+                # layer 2 of condition b collapses most; step 10 is b's minimum overall
+                f = {0: 1.0, 10: decay, 20: decay ** (0.5 if cond == "b" else 2)}[step]
+                if layer == 2 and cond == "b":
+                    f = f ** 3
+                mean = 10.0 * f
+                d = rng.uniform(0.5, 1.5)
+                truth[(cond, step, layer)] = mean
+                recs += _records({(step, layer, 0): mean - d, (step, layer, 1): mean + d}, condition=cond)
+        recs.append({**Record(20, 2000, "loss", None, None, "eval_loss", 1.5 if cond == "a" else 2.5).as_dict(),
+                     "condition": cond})
+    return recs, truth
+
+
+def test_to_frame_accepts_records_dicts_and_frames():
+    recs = [Record(0, None, "keys", 1, 2, "participation_ratio", 3.0)]
+    a = analysis.to_frame(recs)
+    b = analysis.to_frame([r.as_dict() for r in recs])
+    c = analysis.to_frame(a)
+    for df in (a, b, c):
+        assert list(df.loc[0, ["site", "layer", "head", "value", "condition"]]) == ["keys", 1, 2, 3.0, ""]
+    assert analysis.to_frame([]).empty
+
+
+@pytest.mark.parametrize("bad, exc, name", [
+    (42, TypeError, "records"), ([1, 2], TypeError, "records"), ([{"step": 0}], ValueError, "records")])
+def test_to_frame_rejects_bad_input(bad, exc, name):
+    with pytest.raises(exc, match=name):
+        analysis.to_frame(bad)
+
+
+def test_layer_means_and_trajectory_match_hand_computation():
+    recs, truth = _study()
+    lm = analysis.layer_means(recs)
+    for _, r in lm.iterrows():
+        assert r["value"] == pytest.approx(truth[(r["condition"], r["step"], r["layer"])], rel=1e-12)
+    traj = analysis.trajectory(recs)
+    assert list(dict.fromkeys(traj["condition"])) == ["a", "b"]  # run order kept
+    for _, r in traj.iterrows():
+        layer_vals = [truth[(r["condition"], r["step"], l)] for l in range(3)]
+        assert r["mean"] == pytest.approx(np.mean(layer_vals))
+        assert (r["min"], r["max"]) == pytest.approx((min(layer_vals), max(layer_vals)))
+        assert r["tokens_seen"] == r["step"] * 100
+
+
+def test_summary_table_initial_min_final_and_collapsed_layer():
+    recs, truth = _study()
+    table = analysis.summary_table(recs).set_index("condition")
+    for cond in ("a", "b"):
+        means = {s: np.mean([truth[(cond, s, l)] for l in range(3)]) for s in (0, 10, 20)}
+        row = table.loc[cond]
+        assert row["initial"] == pytest.approx(means[0])
+        assert row["final"] == pytest.approx(means[20])
+        assert row["min"] == pytest.approx(min(means.values()))
+        assert row["min_step"] == min(means, key=means.get)
+        drops = {l: truth[(cond, 20, l)] / truth[(cond, 0, l)] for l in range(3)}
+        assert row["collapsed_layer"] == min(drops, key=drops.get)
+    assert table.loc["b", "collapsed_layer"] == 2
+    assert table.loc["b", "min_step"] == 10
+    assert (table.loc["a", "eval_loss"], table.loc["b", "eval_loss"]) == (1.5, 2.5)
+
+
+def test_layer_table_and_zones():
+    recs, truth = _study()
+    fin = analysis.layer_table(recs, which="final")
+    assert list(fin.columns) == ["a", "b"]
+    assert fin.loc[2, "b"] == pytest.approx(truth[("b", 20, 2)])
+    zones = analysis.layer_zones(recs, n_zones=3)
+    assert list(zones["zone"][:3]) == ["early", "middle", "late"]
+    late_b = zones[(zones.condition == "b") & (zones.zone == "late")].iloc[0]
+    assert late_b["ratio"] == pytest.approx(truth[("b", 20, 2)] / truth[("b", 0, 2)])
+    assert len(analysis.layer_zones(recs, n_zones=10)) == 2 * 3  # at most one zone per layer
+    with pytest.raises(ValueError, match="which"):
+        analysis.layer_table(recs, which="middle")
+    with pytest.raises(ValueError, match="site, metric"):
+        analysis.layer_means(recs, site="ffn")
+
+
+def _sweep(beta: float, widths=(64, 128, 171, 256, 320, 384, 448, 512), layers=6, noise=0.0, c=0.7):
+    rng = np.random.default_rng(1)
+    recs = []
+    for w in widths:
+        for layer in range(layers):
+            v = math.exp(c) * w ** beta * (math.exp(rng.normal(0, noise)) if noise else 1.0)
+            recs += _records({(100, layer, None): v}, site="ffn", metric="participation_ratio", width=w)
+            recs += _records({(100, layer, None): v / w}, site="ffn", metric="utilization", width=w)
+    return recs
+
+
+@pytest.mark.parametrize("beta", [0.37, 0.8, 1.0])
+def test_width_fits_recover_exact_power_law(beta):
+    fit = analysis.width_fits(_sweep(beta), ["participation_ratio"], n_boot=50).iloc[0]
+    assert abs(fit["beta"] - beta) < 0.01
+    assert fit["beta"] == pytest.approx(beta, abs=1e-9)
+    assert fit["r2"] == pytest.approx(1.0, abs=1e-12)
+    assert fit["intercept"] == pytest.approx(0.7, abs=1e-9)
+    # every layer identical: each bootstrap replicate is the same fit
+    assert fit["ci_low"] == pytest.approx(beta, abs=1e-9) and fit["ci_high"] == pytest.approx(beta, abs=1e-9)
+
+
+def test_width_fit_bootstrap_ci_covers_truth_under_layer_noise():
+    fit = analysis.width_fits(_sweep(0.6, layers=16, noise=0.05), ["participation_ratio"], n_boot=400).iloc[0]
+    assert abs(fit["beta"] - 0.6) < 0.03
+    assert fit["ci_low"] < 0.6 < fit["ci_high"]
+    assert fit["ci_high"] - fit["ci_low"] > 0
+    assert fit["r2"] < 1.0
+
+
+def test_utilization_slope_is_hard_rank_beta_minus_one():
+    recs = _sweep(0.55, noise=0.02)
+    hard = analysis.width_fits(recs, ["participation_ratio"], n_boot=0).iloc[0]
+    util = analysis.utilization_slopes(recs, n_boot=0).set_index("metric").loc["utilization"]
+    assert util["beta"] == pytest.approx(hard["beta"] - 1, abs=1e-9)
+
+
+def test_width_fits_need_widths():
+    recs = _sweep(0.5, widths=(128,))
+    with pytest.raises(ValueError, match="width"):
+        analysis.width_fits(recs)
+    with pytest.raises(ValueError, match="width_col"):
+        analysis.width_fits(_records({(0, 0, None): 1.0}, site="ffn"))
+
+
+def test_tail_fits_recover_exponent_and_lambda_max():
+    k = np.arange(1, 257, dtype=float)
+    spectra = {"a1.5": 3.0 * k ** -1.5, "a0.8": k ** -0.8}
+    tf = analysis.tail_fits(spectra).set_index("name")
+    assert tf.loc["a1.5", "a"] == pytest.approx(1.5, abs=1e-9)
+    assert tf.loc["a0.8", "a"] == pytest.approx(0.8, abs=1e-9)
+    assert tf.loc["a1.5", "r2"] == pytest.approx(1.0, abs=1e-12)
+    assert tf.loc["a1.5", "lambda_max"] == 3.0
+    batched = analysis.tail_fits(np.stack([spectra["a1.5"][::-1], spectra["a0.8"]]))  # any order
+    assert list(batched["a"]) == pytest.approx([1.5, 0.8], abs=1e-9)
