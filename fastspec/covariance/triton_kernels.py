@@ -172,10 +172,13 @@ def _gram_dot(b_a, b_b, b_acc, SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr, P
 @triton.jit
 def _prep_block(b_x, m, b_c, CENTER: tl.constexpr):
     """Operand block for the dot: x − c in fp32 (CENTER) or raw x, 0 outside the mask ``m``."""
+    # one return: the compiler type-checks every return, even in a constexpr-dead branch
     if CENTER:
         # tl.where, not a product: a masked-out NaN row times 0 is still NaN
-        return tl.where(m, b_x.to(tl.float32) - b_c[None, :], 0.0)
-    return tl.where(m, b_x, tl.zeros_like(b_x))
+        b_out = tl.where(m, b_x.to(tl.float32) - b_c[None, :], 0.0)
+    else:
+        b_out = tl.where(m, b_x, tl.zeros_like(b_x))
+    return b_out
 
 
 @triton.jit
