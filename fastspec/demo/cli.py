@@ -1,0 +1,64 @@
+"""``fastspec demo`` command line (see :mod:`fastspec.demo`)."""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+# --quick: two layers of width 64 on short sequences, a handful of steps; runs in seconds
+QUICK = dict(d_model=64, layers=2, heads=4, kv_heads=2, seq_len=64, steps=8, batch_size=8,
+             probe_every=4, warmup=2, corpus_bytes=400_000)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .models import CONDITIONS
+
+    p.add_argument("--out", type=Path, default=None,
+                   help="run folder (default: ./fastspec_runs/<timestamp>)")
+    p.add_argument("--quick", action="store_true", help="tiny run (seconds) that still writes every artifact")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: cpu)")
+    p.add_argument("--layers", type=int, help="decoder layers (default 4)")
+    p.add_argument("--d-model", type=int, help="model width (default 128)")
+    p.add_argument("--heads", type=int, help="query heads (default 4)")
+    p.add_argument("--kv-heads", type=int, help="key/value heads, GQA (default 2)")
+    p.add_argument("--d-ff", type=int, help="FFN width (default 3 × d_model)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default 128)")
+    p.add_argument("--steps", type=int, help="training steps per condition (default 120)")
+    p.add_argument("--batch-size", type=int, help="sequences per step (default 16)")
+    p.add_argument("--lr", type=float, help="peak AdamW learning rate (default 3e-3)")
+    p.add_argument("--probe-every", type=int, help="probe every N steps (default 10)")
+    p.add_argument("--eval-sequences", type=int, help="sequences in the fixed eval batch (default 4)")
+    p.add_argument("--seed", type=int, default=0, help="seed shared by every condition (default 0)")
+    p.add_argument("--conditions", nargs="+", choices=CONDITIONS, default=list(CONDITIONS),
+                   help="which conditions to train (default: all three)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def config_from_args(args: argparse.Namespace):
+    """The :class:`DemoConfig` the flags describe (``--quick`` first, explicit flags override)."""
+    from .models import ModelSize
+    from .train import DemoConfig
+
+    base = dict(QUICK) if args.quick else {}
+    for name in ("layers", "d_model", "heads", "kv_heads", "d_ff", "seq_len", "steps", "batch_size", "lr",
+                 "probe_every", "eval_sequences"):
+        if getattr(args, name) is not None:
+            base[name] = getattr(args, name)
+    size_keys = ("d_model", "layers", "heads", "kv_heads", "d_ff", "seq_len")
+    size = {k: base.pop(k) for k in size_keys if k in base}
+    if "d_ff" not in size:  # SwiGLU-style 3 × d_model unless given
+        size["d_ff"] = 3 * size.get("d_model", ModelSize.d_model)
+    return DemoConfig(size=ModelSize(**size), seed=args.seed, device=args.device,
+                      conditions=tuple(args.conditions), **base)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .train import run_demo
+
+    cfg = config_from_args(args)
+    out = args.out or Path("fastspec_runs") / time.strftime("%Y%m%d-%H%M%S")
+    print(f"fastspec demo: {len(cfg.conditions)} conditions × {cfg.steps} steps, "
+          f"d_model={cfg.size.d_model}, layers={cfg.size.layers}, device={cfg.device} -> {out}")
+    run_dir, status = run_demo(cfg, out, progress=not args.no_progress)
+    print(f"{status}: records, plots and report in {run_dir}/ (open {run_dir / 'report.md'})")
+    return 0 if status == "completed" else 130

@@ -1,0 +1,228 @@
+"""The demo's training loop: three conditions, same seed and data order, probed on a schedule.
+
+Every ``probe_every`` steps (and before the first and after the last step) each model runs the
+SPEC §5 eval protocol through :class:`fastspec.Probe` on the fixed held-out batch: post-RoPE
+key PR per head (``sv``), FFN post-activation metrics (``eig``) and, for QK-norm models, the
+γ coefficient of variation. Eval and train loss are recorded at the same steps. Records are
+appended to ``records.jsonl`` as they are produced, so Ctrl-C leaves a readable run folder;
+the report is written in a ``finally`` either way.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .data import VOCAB_SIZE, eval_batch, random_windows, split, stdlib_corpus
+from .models import CONDITIONS, ModelSize, build_model
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+    """Everything a demo run depends on (saved as ``config.json``)."""
+
+    size: ModelSize = dataclasses.field(default_factory=ModelSize)
+    steps: int = 120
+    batch_size: int = 16
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    warmup: int = 20
+    probe_every: int = 10
+    eval_sequences: int = 4
+    corpus_bytes: int = 4_000_000
+    seed: int = 0
+    device: str = "cpu"
+    conditions: tuple[str, ...] = CONDITIONS
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "probe_every", "eval_sequences", "corpus_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr: expected > 0, got {self.lr}")
+        bad = [c for c in self.conditions if c not in CONDITIONS]
+        if bad or not self.conditions:
+            raise ValueError(f"conditions: expected a non-empty subset of {CONDITIONS}, got {self.conditions}")
+
+
+class RecordWriter:
+    """Appends records as JSON lines and flushes each batch, so a killed run stays readable."""
+
+    def __init__(self, path: Path):
+        self._f = path.open("a")
+
+    def write(self, rows) -> None:
+        for r in rows:
+            self._f.write(json.dumps(r) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _optimizer(model: torch.nn.Module, cfg: DemoConfig) -> torch.optim.Optimizer:
+    # decay matrices only; norm scales (γ included) and nothing frozen go to the optimizer
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    rest = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+
+
+def _lr_factor(step: int, cfg: DemoConfig) -> float:
+    """Linear warmup, then cosine decay to 10%."""
+    if step < cfg.warmup:
+        return (step + 1) / cfg.warmup
+    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+
+@torch.no_grad()
+def _eval_loss(model: torch.nn.Module, batch: dict) -> float:
+    was_training = model.training
+    model.eval()
+    try:
+        return float(model(**batch, labels=batch["input_ids"]).loss)
+    finally:
+        model.train(was_training)
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit="step", leave=True, dynamic_ncols=True)
+
+
+def _train_condition(condition: str, cfg: DemoConfig, train_tokens, batch_eval: dict,
+                     writer: RecordWriter, spectra: dict, progress: bool) -> None:
+    from ..probe import Probe
+
+    device = torch.device(cfg.device)
+    model = build_model(condition, cfg.size, VOCAB_SIZE, cfg.seed).to(device)
+    model.train()
+    opt = _optimizer(model, cfg)
+    gen = torch.Generator().manual_seed(cfg.seed)  # same data order for every condition
+    probe = Probe(model, keys=True, ffn=True)
+    tokens_per_step = cfg.batch_size * cfg.size.seq_len
+    losses: list[float] = []
+
+    def measure(step: int) -> None:
+        tokens = step * tokens_per_step
+        rows = [{**r.as_dict(), "condition": condition}
+                for r in probe.measure(batch_eval, step=step, tokens_seen=tokens)]
+        rows.append({"step": step, "tokens_seen": tokens, "site": "loss", "layer": None, "head": None,
+                     "metric": "eval_loss", "value": _eval_loss(model, batch_eval), "condition": condition})
+        if losses:
+            rows.append({"step": step, "tokens_seen": tokens, "site": "loss", "layer": None, "head": None,
+                         "metric": "train_loss", "value": float(np.mean(losses)), "condition": condition})
+            losses.clear()
+        writer.write(rows)
+
+    bar = _progress(cfg.steps, condition, progress)
+    try:
+        measure(0)
+        for step in range(cfg.steps):
+            for g in opt.param_groups:
+                g["lr"] = cfg.lr * _lr_factor(step, cfg)
+            ids = random_windows(train_tokens, cfg.batch_size, cfg.size.seq_len, gen).to(device)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            done = step + 1
+            if done % cfg.probe_every == 0 or done == cfg.steps:
+                measure(done)
+    finally:
+        if bar is not None:
+            bar.close()
+        spectra.update(_final_spectra(condition, model, batch_eval))
+
+
+@torch.no_grad()
+def _final_spectra(condition: str, model: torch.nn.Module, batch: dict) -> dict[str, np.ndarray]:
+    """FFN post-activation covariance spectra (SPEC §5, ``eig``) per layer, for the spectrum plots.
+
+    The probe's records carry metrics, not whole spectra, so one extra eval forward feeds the
+    inputs of every ``mlp.down_proj`` ``[B, T, d_ff]`` into a :class:`fastspec.Covariance`.
+    Returns {"<condition>/ffn/layer<l>": λ descending [d_ff]}.
+    """
+    from ..covariance import Covariance
+
+    covs: dict[int, Covariance] = {}
+    handles = []
+    for name, module in model.named_modules():
+        if name.endswith("mlp.down_proj") and ".layers." in name:
+            layer = int(name.split(".layers.")[1].split(".")[0])
+
+            def hook(_module, args, layer=layer):
+                x = args[0]  # [B, T, d_ff]
+                cov = covs.setdefault(layer, Covariance(x.shape[-1], device=x.device))
+                cov.update(x, batch["attention_mask"].bool())
+            handles.append(module.register_forward_pre_hook(hook))
+    was_training = model.training
+    model.eval()
+    try:
+        model(**batch)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    return {f"{condition}/ffn/layer{layer}": cov.spectrum("eig").cpu().numpy()
+            for layer, cov in sorted(covs.items())}
+
+
+def run_demo(cfg: DemoConfig, out_dir, *, progress: bool = True) -> tuple[Path, str]:
+    """Train and probe every condition of ``cfg``, writing a run folder at ``out_dir``.
+
+    Returns (run folder, status) with status ``"completed"`` or ``"interrupted"`` (Ctrl-C);
+    ``config.json``, ``records.jsonl``, ``spectra.npz``, ``plots/`` and ``report.md`` exist
+    in both cases.
+    """
+    from ..report import write_report
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / "records.jsonl").exists():
+        raise ValueError(f"out_dir: {out} already holds a run (records.jsonl); choose another folder")
+    meta = {"status": "running", "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "model": dataclasses.asdict(cfg.size),
+            "train": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "size"},
+            "corpus": "Python standard library source (bytes)", "torch": torch.__version__}
+    (out / "config.json").write_text(json.dumps(meta, indent=2))
+    torch.manual_seed(cfg.seed)
+    train_tokens, held_out = split(stdlib_corpus(cfg.corpus_bytes))
+    batch_eval = {k: v.to(cfg.device) for k, v in
+                  eval_batch(held_out, cfg.eval_sequences, cfg.size.seq_len, cfg.seed + 1).items()}
+    writer = RecordWriter(out / "records.jsonl")
+    spectra: dict[str, np.ndarray] = {}
+    status = "interrupted"
+    try:
+        for condition in cfg.conditions:
+            _train_condition(condition, cfg, train_tokens, batch_eval, writer, spectra, progress)
+        status = "completed"
+    except KeyboardInterrupt:
+        pass
+    finally:
+        writer.close()
+        if spectra:
+            np.savez(out / "spectra.npz", **spectra)
+        meta["status"] = status
+        meta["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        (out / "config.json").write_text(json.dumps(meta, indent=2))
+        write_report(out)
+    return out, status

@@ -1,0 +1,221 @@
+"""``fastspec demo`` end to end (--quick), its Ctrl-C behaviour, ``fastspec report``, and its parts."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+pytest.importorskip("pandas")
+
+from fastspec.cli import main  # noqa: E402
+from fastspec.demo import CONDITIONS, ModelSize, build_model  # noqa: E402
+from fastspec.demo.data import eval_batch, split, stdlib_corpus  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "run"
+    rc = main(["demo", "--quick", "--out", str(out), "--no-progress"])
+    return out, rc
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _key_table(report: str) -> dict[str, dict[str, str]]:
+    """The key-rank table of report.md as {condition: {header: cell}}."""
+    lines = report.splitlines()
+    start = next(i for i, l in enumerate(lines) if l.startswith("## Key rank"))
+    header_i = next(i for i in range(start, len(lines)) if lines[i].startswith("| condition"))
+    cells = lambda l: [c.strip() for c in l.strip().strip("|").split("|")]  # noqa: E731
+    header = cells(lines[header_i])
+    rows = {}
+    for line in lines[header_i + 2:]:
+        if not line.startswith("|"):
+            break
+        row = dict(zip(header, cells(line)))
+        rows[row["condition"]] = row
+    return rows
+
+
+def _png_ok(path: Path) -> bool:
+    import matplotlib.image as mpimg
+
+    img = mpimg.imread(path)
+    return path.stat().st_size > 5_000 and img.shape[0] >= 200 and img[..., :3].std() > 0.02
+
+
+def test_quick_demo_writes_every_artifact(quick_run):
+    out, rc = quick_run
+    assert rc == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["status"] == "completed"
+    records = _read_jsonl(out / "records.jsonl")
+    have = defaultdict(set)
+    for r in records:
+        have[r["condition"]].add((r["site"], r["metric"]))
+    assert list(have) == list(CONDITIONS)
+    for cond in CONDITIONS:
+        assert {("keys", "participation_ratio"), ("ffn", "participation_ratio"), ("ffn", "utilization"),
+                ("loss", "eval_loss"), ("loss", "train_loss")} <= have[cond]
+        assert (("gamma_k", "gamma_cv") in have[cond]) == (cond != "no_qk_norm")
+    # the frozen γ never moves: its CV stays 0; the learned one leaves 0
+    cv = defaultdict(list)
+    for r in records:
+        if r["metric"] == "gamma_cv":
+            cv[r["condition"]].append(r["value"])
+    assert max(cv["qk_norm_frozen"]) == 0 and max(cv["qk_norm"]) > 0
+    # key PR per (layer, head) lies in [1, d_head]
+    d_head = config["model"]["d_model"] // config["model"]["heads"]
+    prs = [r["value"] for r in records if r["site"] == "keys" and r["metric"] == "participation_ratio"]
+    assert prs and all(1 <= v <= d_head for v in prs)
+    with np.load(out / "spectra.npz") as z:
+        assert {k.split("/")[0] for k in z.files} == set(CONDITIONS)
+        assert all(z[k].ndim == 1 and np.all(np.diff(z[k]) <= 0) for k in z.files)
+    pngs = sorted((out / "plots").glob("*.png"))
+    stems = {p.stem for p in pngs}
+    assert {"key_pr_trajectory", "key_pr_heatmap", "key_pr_layers", "ffn_pr_trajectory"} <= stems
+    assert any(s.startswith("spectrum_ffn") for s in stems) and any(s.startswith("cumvar_ffn") for s in stems)
+    assert all(_png_ok(p) for p in pngs)
+    report = (out / "report.md").read_text()
+    assert all(f"]({'plots/' + p.name})" in report for p in pngs)
+
+
+def test_report_table_matches_records(quick_run):
+    out, _ = quick_run
+    records = _read_jsonl(out / "records.jsonl")
+    table = _key_table((out / "report.md").read_text())
+    assert list(table) == list(CONDITIONS)
+    for cond in CONDITIONS:
+        # independent of fastspec.analysis: mean over heads per layer, then over layers
+        per = defaultdict(list)
+        for r in records:
+            if r["condition"] == cond and r["site"] == "keys" and r["metric"] == "participation_ratio":
+                per[(r["step"], r["layer"])].append(r["value"])
+        steps = sorted({s for s, _ in per})
+        layer_mean = {k: float(np.mean(v)) for k, v in per.items()}
+        model_mean = {s: np.mean([v for (st, _), v in layer_mean.items() if st == s]) for s in steps}
+        row = table[cond]
+        assert float(row["initial PR"]) == pytest.approx(model_mean[steps[0]], abs=6e-4)
+        assert float(row["final PR"]) == pytest.approx(model_mean[steps[-1]], abs=6e-4)
+        assert float(row["min PR"]) == pytest.approx(min(model_mean.values()), abs=6e-4)
+        assert int(row["final step"]) == steps[-1]
+        layers = sorted({l for _, l in layer_mean})
+        drop = {l: layer_mean[(steps[-1], l)] / layer_mean[(steps[0], l)] for l in layers}
+        assert int(row["most collapsed layer"]) == min(drop, key=drop.get)
+        losses = [r for r in records if r["condition"] == cond and r["metric"] == "eval_loss"]
+        last = max(losses, key=lambda r: r["step"])["value"]
+        assert float(row["eval loss"]) == pytest.approx(last, abs=6e-4)
+
+
+def test_report_command_regenerates(quick_run):
+    out, _ = quick_run
+    before = (out / "report.md").read_text()
+    (out / "report.md").unlink()
+    for p in (out / "plots").glob("*.png"):
+        p.unlink()
+    assert main(["report", str(out)]) == 0
+    assert (out / "report.md").read_text() == before
+    assert len(list((out / "plots").glob("*.png"))) >= 6
+
+
+def test_ctrl_c_leaves_a_valid_partial_run(tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-m", "fastspec", "demo", "--quick", "--steps", "100000",
+                             "--no-progress", "--out", str(out)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            f = out / "records.jsonl"
+            if f.is_file() and f.stat().st_size > 0 or proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stdout.read().decode()
+        time.sleep(1.0)  # a few training steps in
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = proc.stdout.read().decode()
+    assert rc == 130, log
+    assert "interrupted" in log
+    assert json.loads((out / "config.json").read_text())["status"] == "interrupted"
+    records = _read_jsonl(out / "records.jsonl")  # every line parses
+    assert records and {r["condition"] for r in records} == {"qk_norm"}
+    report = (out / "report.md").read_text()
+    assert "**interrupted**" in report and "qk_norm" in _key_table(report)
+    assert (out / "plots" / "key_pr_trajectory.png").is_file()
+
+
+def test_demo_refuses_to_overwrite_a_run(quick_run):
+    out, _ = quick_run
+    with pytest.raises(ValueError, match="out_dir"):
+        main(["demo", "--quick", "--out", str(out), "--no-progress"])
+
+
+def test_flags_build_the_config():
+    from fastspec.cli import build_parser
+    from fastspec.demo.cli import config_from_args
+
+    args = build_parser().parse_args(["demo", "--quick", "--d-model", "96", "--layers", "3", "--steps", "5",
+                                      "--device", "cpu", "--conditions", "no_qk_norm"])
+    cfg = config_from_args(args)
+    assert (cfg.size.d_model, cfg.size.layers, cfg.size.d_ff, cfg.steps) == (96, 3, 288, 5)
+    assert cfg.conditions == ("no_qk_norm",)
+    bad = build_parser().parse_args(["demo", "--d-model", "100", "--heads", "3"])
+    with pytest.raises(ValueError, match="heads"):
+        config_from_args(bad)
+    with pytest.raises(ValueError, match="steps"):
+        config_from_args(build_parser().parse_args(["demo", "--steps", "0"]))
+
+
+def test_corpus_is_stdlib_bytes_and_eval_batch_is_fixed():
+    text = stdlib_corpus(200_000)
+    assert text.dtype == torch.uint8 and len(text) == 200_000
+    assert b"def " in bytes(text[:50_000].tolist())
+    train, held = split(text)
+    assert len(train) + len(held) == len(text)
+    a, b = eval_batch(held, 4, 64, seed=3), eval_batch(held, 4, 64, seed=3)
+    assert torch.equal(a["input_ids"], b["input_ids"]) and a["input_ids"].shape == (4, 64)
+    with pytest.raises(ValueError, match="max_bytes"):
+        stdlib_corpus(0)
+
+
+def test_conditions_share_initial_weights_and_differ_in_qk_norm():
+    size = ModelSize(d_model=32, layers=2, heads=2, kv_heads=1, d_ff=64, seq_len=16)
+    models = {c: build_model(c, size, 256, seed=7) for c in CONDITIONS}
+    ref = dict(models["no_qk_norm"].named_parameters())
+    for cond in ("qk_norm", "qk_norm_frozen"):
+        params = dict(models[cond].named_parameters())
+        for name, p in ref.items():
+            assert torch.equal(p, params[name]), name
+        norms = {n: p for n, p in params.items() if n.endswith(("q_norm.weight", "k_norm.weight"))}
+        assert len(norms) == 2 * size.layers
+        assert all(p.requires_grad == (cond == "qk_norm") for p in norms.values())
+    assert not any("k_norm" in n for n in ref)
+    with pytest.raises(ValueError, match="condition"):
+        build_model("post_norm", size, 256, seed=0)
+
+
+def test_core_import_stays_light():
+    code = ("import sys, fastspec; heavy = [m for m in ('transformers', 'matplotlib', 'pandas', 'wandb', "
+            "'lightning', 'tensorboard') if m in sys.modules]; assert not heavy, heavy")
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
