@@ -1,0 +1,98 @@
+"""Logging integrations: push probe records to TensorBoard, W&B, Lightning and HF Trainer.
+
+Each integration lives in its own module and imports its library only there, so
+``import fastspec`` (and this package) work without any of them:
+
+=============================  ===============================================
+``integrations.tensorboard``   ``log_to_tensorboard(writer, records)``
+``integrations.wandb``         ``log_to_wandb(records, run=None)``
+``integrations.lightning``     ``FastspecCallback`` (``lightning.pytorch.Callback``)
+``integrations.hf``            ``FastspecTrainerCallback`` (``transformers.TrainerCallback``)
+=============================  ===============================================
+
+All of them log the same flat scalars (:func:`scalars`) and optionally one layer × head
+heatmap image (:func:`heatmap`).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+__all__ = ["scalars", "heatmap", "heatmap_image", "as_dicts"]
+
+
+def as_dicts(records) -> list[dict]:
+    """Records (``Record``s or dicts) as dicts with the Record fields."""
+    out = []
+    for r in records:
+        if hasattr(r, "as_dict"):
+            out.append(r.as_dict())
+        elif isinstance(r, dict):
+            out.append(r)
+        else:
+            raise TypeError(f"records: expected Record objects or dicts, got {type(r).__name__}")
+    return out
+
+
+def scalars(records, prefix: str = "fastspec") -> dict[str, float]:
+    """Flat ``{tag: value}`` of records from one measurement (SPEC §5 aggregation).
+
+    ``{prefix}/{site}/{metric}/layer{l}``: mean over heads of layer l;
+    ``{prefix}/{site}/{metric}/mean``: mean over layers of those;
+    ``{prefix}/{site}/{metric}``: records outside the layer stack (``layer`` None), head-averaged.
+    """
+    per_layer: dict[tuple[str, str, int], list[float]] = defaultdict(list)
+    loose: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for r in as_dicts(records):
+        if r["layer"] is None:
+            loose[(r["site"], r["metric"])].append(float(r["value"]))
+        else:
+            per_layer[(r["site"], r["metric"], int(r["layer"]))].append(float(r["value"]))
+    out: dict[str, float] = {}
+    layer_means: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for (site, metric, layer), vals in sorted(per_layer.items()):
+        v = float(np.mean(vals))
+        out[f"{prefix}/{site}/{metric}/layer{layer}"] = v
+        layer_means[(site, metric)].append(v)
+    for (site, metric), vals in layer_means.items():
+        out[f"{prefix}/{site}/{metric}/mean"] = float(np.mean(vals))
+    for (site, metric), vals in loose.items():
+        out[f"{prefix}/{site}/{metric}"] = float(np.mean(vals))
+    return out
+
+
+def heatmap(records, site: str = "keys", metric: str = "participation_ratio") -> np.ndarray:
+    """``[layers, heads]`` array of one measurement's per-head values (NaN where absent).
+
+    Rows are the sorted layer indices present, columns the sorted head indices present.
+    """
+    rows = [r for r in as_dicts(records) if r["site"] == site and r["metric"] == metric
+            and r["layer"] is not None and r["head"] is not None]
+    if not rows:
+        raise ValueError(f"records: no per-head records for {site}/{metric}")
+    layers = sorted({int(r["layer"]) for r in rows})
+    heads = sorted({int(r["head"]) for r in rows})
+    grid = np.full((len(layers), len(heads)), np.nan)
+    li, hi = {l: i for i, l in enumerate(layers)}, {h: i for i, h in enumerate(heads)}
+    for r in rows:
+        grid[li[int(r["layer"])], hi[int(r["head"])]] = float(r["value"])
+    return grid
+
+
+def heatmap_image(grid: np.ndarray, scale: int = 16) -> np.ndarray:
+    """``[H·scale, W·scale, 3]`` uint8 viridis rendering of ``grid`` (min..max; NaN black), one
+    block of ``scale`` pixels per cell so small head grids stay visible in a dashboard."""
+    grid = np.asarray(grid, dtype=float)
+    finite = np.isfinite(grid)
+    lo, hi = (grid[finite].min(), grid[finite].max()) if finite.any() else (0.0, 1.0)
+    norm = np.where(finite, (grid - lo) / (hi - lo) if hi > lo else 0.5, 0.0)
+    try:
+        from matplotlib import colormaps
+
+        rgb = colormaps["viridis"](norm)[..., :3]
+    except ImportError:  # matplotlib is optional here: fall back to grey levels
+        rgb = np.repeat(norm[..., None], 3, axis=-1)
+    rgb[~finite] = 0.0
+    img = (rgb * 255).round().astype(np.uint8)
+    return img.repeat(scale, axis=0).repeat(scale, axis=1)

@@ -1,0 +1,31 @@
+"""TensorBoard: probe records as scalars plus a layer × head heatmap image.
+
+Works with ``torch.utils.tensorboard.SummaryWriter`` (or tensorboardX's, same methods).
+"""
+from __future__ import annotations
+
+from . import as_dicts, heatmap, heatmap_image, scalars
+
+
+def log_to_tensorboard(writer, records, *, step: int | None = None, prefix: str = "fastspec",
+                       heatmap_of: tuple[str, str] | None = ("keys", "participation_ratio")) -> dict[str, float]:
+    """Write :func:`fastspec.integrations.scalars` of ``records`` with ``writer.add_scalar`` and,
+    when those records exist, the ``heatmap_of=(site, metric)`` grid as image
+    ``{prefix}/{site}/{metric}/heatmap`` (rows = layers, columns = heads).
+
+    ``step``: default the records' largest ``step``. Returns the logged scalars.
+    """
+    rows = as_dicts(records)
+    if not rows:
+        return {}
+    step = max(int(r["step"]) for r in rows) if step is None else step
+    values = scalars(rows, prefix)
+    for tag, v in values.items():
+        writer.add_scalar(tag, v, global_step=step)
+    if heatmap_of is not None and any(r["site"] == heatmap_of[0] and r["metric"] == heatmap_of[1]
+                                      and r["head"] is not None for r in rows):
+        img = heatmap_image(heatmap(rows, *heatmap_of))
+        writer.add_image(f"{prefix}/{heatmap_of[0]}/{heatmap_of[1]}/heatmap", img, global_step=step,
+                         dataformats="HWC")
+    writer.flush()
+    return values
