@@ -14,6 +14,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("fastspec.cli_info", "show versions and which backends are available"),
     "bench": ("fastspec.bench.cli", "time fastspec against torch.linalg baselines (one table, --json)"),
     "compare": ("fastspec.bench.cli_compare", "accuracy only: fastspec vs torch.linalg fp32 vs fp64"),
+    "demo": ("fastspec.demo.cli", "train three tiny models (QK-norm study, SPEC §5) and write a run folder"),
+    "report": ("fastspec.report", "regenerate plots and report.md of a run folder"),
 }
 
 
