@@ -37,6 +37,10 @@ def test_every_readme_number_comes_from_a_result_file():
         for r in doc["results"]:
             if "fastspec_s" in r:
                 assert f"| {r['suite']} | {r['size']} | {r['variant']} |" in block
+    for path, doc in load_results(RESULTS, "compare"):
+        ok = sum(bool(r["within_2x_torch"]) for r in doc["results"])
+        assert f"{ok}/{len(doc['results'])} (family, n, solver)" in block
+        assert f"`{path.relative_to(ROOT).as_posix()}`" in block
 
 
 def test_update_rewrites_only_the_marked_block(tmp_path):

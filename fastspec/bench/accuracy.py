@@ -5,7 +5,7 @@ a symmetric eigensolver. The reference is ``torch.linalg.eigvalsh`` in float64 o
 fp32-rounded matrices, so it is the exact spectrum of the input (up to ~1e-16). Error per matrix:
 ``max_i |λ_i − λ_i^fp64| / max_i |λ_i^fp64|`` (backward-stable solvers reach a few n·eps_fp32),
 then the max over the batch. ``ratio`` = fastspec error / torch fp32 error; the library's claim
-(STYLE: "no worse than 2× torch.linalg fp32 vs fp64") is ``ratio ≤ 2`` up to a 4·eps floor.
+(STYLE: "no worse than 2× torch.linalg fp32 vs fp64") is ``ratio ≤ 2`` up to an 8·eps floor.
 """
 from __future__ import annotations
 
@@ -17,6 +17,14 @@ import torch
 from .cases import max_rel_err
 
 EPS32 = torch.finfo(torch.float32).eps
+# Bound: fastspec error <= 2 × torch's error in the same precision + FLOOR_EPS·eps_fp32 (errors are
+# relative to the matrix scale). The floor keeps a baseline that happens to round almost exactly
+# from making the bound ~0; 8 is the value tests/test_eig_host.py uses for the solvers themselves.
+FLOOR_EPS = 8
+
+
+def within_bound(err: float, torch_err: float) -> bool:
+    return math.isfinite(err) and err <= 2 * torch_err + FLOOR_EPS * EPS32
 SIZES = {"quick": ([16, 48], 4), "cpu": ([64, 128, 256], 32), "gpu": ([64, 128, 256], 256)}
 
 
@@ -117,7 +125,7 @@ def compare(tier: str, device: torch.device, families: list[str] | None = None) 
                 except Exception as e:  # noqa: BLE001 - reported in the row, the CLI exits non-zero
                     rows.append({**head, "error": f"{type(e).__name__}: {e}"})
                     continue
-                ok = math.isfinite(err) and err <= 2 * torch_err + 4 * EPS32
+                ok = within_bound(err, torch_err)
                 rows.append({**head, "fastspec_error": err if math.isfinite(err) else None,
                              "torch_fp32_error": torch_err if math.isfinite(torch_err) else None,
                              "ratio": err / torch_err if torch_err > 0 and math.isfinite(err) else None,

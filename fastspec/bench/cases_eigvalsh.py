@@ -20,14 +20,18 @@ SIZES = {  # (batch, n)
 
 def powerlaw_gram(batch: int, n: int, device: torch.device, dtype=torch.float32,
                   alpha: float = 0.75, seed: int = 0) -> torch.Tensor:
-    """``[batch, n, n]`` PSD matrices ``XᵀX/m`` with a power-law spectrum, built in fp64."""
+    """``[batch, n, n]`` PSD matrices ``XᵀX/m`` with a power-law spectrum, built in fp64.
+
+    The random numbers come from a CPU generator (the same matrices on every device); the
+    products run on ``device``.
+    """
     g = torch.Generator(device="cpu").manual_seed(seed)
-    scale = torch.arange(1, n + 1, dtype=torch.float64) ** -alpha
+    scale = (torch.arange(1, n + 1, dtype=torch.float64) ** -alpha).to(device)
     A = torch.empty(batch, n, n, dtype=dtype, device=device)
     step = max(1, (1 << 26) // (2 * n * n))  # keep the fp64 scratch around 512 MiB
     for i in range(0, batch, step):
-        X = torch.randn(min(step, batch - i), 2 * n, n, generator=g, dtype=torch.float64) * scale
-        A[i:i + len(X)] = (X.mT @ X / (2 * n)).to(device=device, dtype=dtype)
+        X = torch.randn(min(step, batch - i), 2 * n, n, generator=g, dtype=torch.float64).to(device) * scale
+        A[i:i + len(X)] = (X.mT @ X / (2 * n)).to(dtype)
     return A
 
 

@@ -1,7 +1,7 @@
 """``fastspec compare``: the accuracy side only — fastspec eigvalsh vs torch.linalg fp32 vs fp64.
 
 Random and hard matrix families (see :mod:`fastspec.bench.accuracy`); exit status 1 if any
-fastspec variant is worse than 2× torch.linalg fp32 (plus a 4·eps floor) or raised.
+fastspec variant is worse than 2× torch.linalg fp32 (plus an 8·eps floor) or raised.
 
     fastspec compare --quick --json compare.json
 """

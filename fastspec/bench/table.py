@@ -90,14 +90,32 @@ def describe_environment(env: dict) -> str:
             f" · fastspec {env['fastspec']}")
 
 
-def load_results(results_dir: Path) -> list[tuple[Path, dict]]:
-    """``fastspec bench --json`` documents in ``results_dir``, sorted by file name."""
+def load_results(results_dir: Path, kind: str = "bench") -> list[tuple[Path, dict]]:
+    """``fastspec bench --json`` (or ``compare``) documents in ``results_dir``, sorted by name."""
     out = []
     for path in sorted(Path(results_dir).glob("*.json")):
         doc = json.loads(path.read_text())
-        if doc.get("kind") == "bench":
+        if doc.get("kind") == kind:
             out.append((path, doc))
     return out
+
+
+def compare_summary(doc: dict, name: str) -> str:
+    """One line for a ``fastspec compare`` document: how many rows hold the bound, the worst."""
+    from .accuracy import FLOOR_EPS
+
+    rows = doc["results"]
+    ok = sum(bool(r.get("within_2x_torch")) for r in rows)
+    rated = [r for r in rows if r.get("ratio") is not None]
+    worst = max(rated, key=lambda r: r["ratio"]) if rated else None
+    families = sorted({r["family"] for r in rows})
+    line = (f"Accuracy (`fastspec compare`, {describe_environment(doc['environment'])}): {ok}/{len(rows)} "
+            f"(family, n, solver) within 2× torch.linalg fp32 + {FLOOR_EPS}·eps vs fp64, over {len(families)} "
+            f"matrix families ({', '.join(families)})")
+    if worst is not None:
+        line += (f"; worst ratio to torch {worst['ratio']:.3g} ({worst['family']}, n={worst['n']}, "
+                 f"{worst['variant']})")
+    return line + f"; from `{name}`.\n"
 
 
 def readme_block(results_dir: Path, relative_to: Path = Path(".")) -> str:
@@ -115,6 +133,8 @@ def readme_block(results_dir: Path, relative_to: Path = Path(".")) -> str:
                      f"`{doc['tier']}` sizes, from `{name}`"
                      + (f" ({left_out} case(s) not run there: see the file)" if left_out else "") + "\n")
         parts.append(render_markdown(BENCH_COLUMNS, [bench_cells(r) for r in measured]) + "\n")
+    for path, doc in load_results(results_dir, "compare"):
+        parts.append(compare_summary(doc, Path(os.path.relpath(path, relative_to)).as_posix()))
     if not parts:
         parts.append("No benchmark results committed yet.\n")
     return "\n".join(parts)
