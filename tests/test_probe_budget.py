@@ -2,15 +2,15 @@
 the budget. Tested with an injected clock, so every number is deterministic."""
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
+from _tiny_models import batch, build
 
 import fastspec
 from fastspec.probe.budget import OverheadBudget, WorkTimer
-
-from _tiny_models import batch, build
 
 
 class TickClock:
@@ -77,7 +77,7 @@ def test_probe_adapts_interval_to_stay_under_budget():
     cost = 2 * tick / (0.1 + 2 * 2 * tick + tick)
     expected_every = math.ceil(cost / 0.01)
     assert probe.every == expected_every
-    gaps = {b - a for a, b in zip(captured_steps[3:], captured_steps[4:])}
+    gaps = {b - a for a, b in itertools.pairwise(captured_steps[3:])}
     assert gaps == {expected_every}
     assert probe.overhead()["average"] <= 0.01
     assert probe.overhead()["every"] == expected_every

@@ -8,11 +8,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _tiny_models import batch, build
 
 import fastspec
 from fastspec.probe.distributed import all_reduce_covariance
-
-from _tiny_models import batch, build
 
 WORLD = 2
 

@@ -11,15 +11,15 @@ fp64 unbiased covariance of the down projection's inputs.
 """
 from __future__ import annotations
 
+import math
 import sys
 
 import pytest
 import torch
+from _tiny_models import batch, build, minilm_dir, transformers
 
 import fastspec
 from fastspec.metrics import participation_ratio
-
-from _tiny_models import batch, build, minilm_dir, transformers
 
 RTOL = 1e-4
 
@@ -122,7 +122,7 @@ def test_ffn_eig_metrics_match_covariance_eigvalsh():
 def test_queries_per_query_head_and_gqa_keys_per_kv_head():
     model = build("llama")  # 4 query heads, 2 KV heads
     records = fastspec.Probe(model, queries=True, ffn=False).measure(batch(), step=0)
-    heads = lambda site: {r.head for r in records if r.site == site and r.layer == 0}  # noqa: E731
+    heads = lambda site: {r.head for r in records if r.site == site and r.layer == 0}
     assert heads("keys") == {0, 1}
     assert heads("queries") == {0, 1, 2, 3}
 
@@ -189,3 +189,35 @@ def test_pretrained_minilm_key_rank_matches_hand_protocol():
         for h, w in enumerate(_key_rank_by_hand(K).tolist()):
             assert got[(layer, h)] == pytest.approx(w, rel=RTOL)
     assert len(got) == 6 * 12
+
+
+def test_rank_deficient_keys_match_hand_protocol():
+    model = build("llama")
+    with torch.no_grad():  # k_proj of rank 1: each head's pre-RoPE keys span one direction
+        for layer in model.model.layers:
+            w = layer.self_attn.k_proj.weight
+            w.copy_(torch.outer(torch.randn(w.shape[0]), torch.randn(w.shape[1])))
+    inputs = batch(B=2, T=16, pad="left")
+    got = _probe_values(fastspec.Probe(model, ffn=False).measure(inputs, step=0), "keys", "participation_ratio")
+    for layer, K in _keys_by_hand(model, inputs).items():
+        for h, w in enumerate(_key_rank_by_hand(K).tolist()):
+            assert w < 5  # well below a full-rank head (~7 of 8): RoPE rotates the one direction per position
+            assert got[(layer, h)] == pytest.approx(w, rel=RTOL)
+
+
+def test_nan_activations_are_rejected_and_reported():
+    model = build("gpt2")
+    inputs = batch(B=2, T=8)
+
+    def poison(module, args):  # NaN in one token's FFN input of layer 0
+        x = args[0].clone()
+        x[0, 3, 5] = float("nan")
+        return (x,)
+    h = model.transformer.h[0].mlp.c_proj.register_forward_pre_hook(poison)
+    records = fastspec.Probe(model, keys=False).measure(inputs, step=0)
+    h.remove()
+    got = {(r.layer, r.metric): r.value for r in records if r.site == "ffn"}
+    assert got[(0, "rejected")] == 1 and got[(0, "n")] == 15
+    # attention spreads the NaN to later tokens of layer 1: those rows are refused, not merged
+    assert got[(1, "rejected")] >= 1 and got[(1, "rejected")] + got[(1, "n")] == 16
+    assert all(math.isfinite(v) for (layer, metric), v in got.items())

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _tiny_models import batch, build
 
 import fastspec
 from fastspec.probe import hf_attention
-
-from _tiny_models import batch, build, transformers
 
 
 def _hook_count(model) -> int:
@@ -16,8 +15,8 @@ def _hook_count(model) -> int:
 
 
 def _attention_functions():
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     import transformers.models.llama.modeling_llama as ml
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     return dict(ALL_ATTENTION_FUNCTIONS._local_mapping), ml.eager_attention_forward
 
@@ -107,10 +106,9 @@ def test_streaming_detach_removes_everything_and_context_manager_on_error():
     model = build("qwen3")
     before = _hook_count(model)
     probe = fastspec.Probe(model, queries=True, prerope_keys=True)
-    with pytest.raises(RuntimeError, match="boom"):
-        with probe.streaming():
-            assert _hook_count(model) > before and hf_attention._PATCHES
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), probe.streaming():
+        assert _hook_count(model) > before and hf_attention._PATCHES
+        raise RuntimeError("boom")
     assert _hook_count(model) == before and not hf_attention._PATCHES and not hf_attention._CALLBACKS
 
 
@@ -244,15 +242,15 @@ def test_plain_module_with_module_sites():
 
 
 @pytest.mark.parametrize("kwargs, exc, name", [
-    (dict(keys="yes"), TypeError, "keys"),
-    (dict(key_convention="svd"), ValueError, "key_convention"),
-    (dict(every=0), ValueError, "every"),
-    (dict(emit_every=1.5), ValueError, "emit_every"),
-    (dict(budget=2.0), ValueError, "budget"),
-    (dict(sync="some"), ValueError, "sync"),
-    (dict(modules=[3]), TypeError, "modules"),
-    (dict(modules="no.such.module"), ValueError, "modules"),
-    (dict(backend="cuda"), ValueError, "backend"),
+    ({"keys": "yes"}, TypeError, "keys"),
+    ({"key_convention": "svd"}, ValueError, "key_convention"),
+    ({"every": 0}, ValueError, "every"),
+    ({"emit_every": 1.5}, ValueError, "emit_every"),
+    ({"budget": 2.0}, ValueError, "budget"),
+    ({"sync": "some"}, ValueError, "sync"),
+    ({"modules": [3]}, TypeError, "modules"),
+    ({"modules": "no.such.module"}, ValueError, "modules"),
+    ({"backend": "cuda"}, ValueError, "backend"),
 ])
 def test_bad_arguments_name_the_argument(kwargs, exc, name):
     model = build("gpt2")

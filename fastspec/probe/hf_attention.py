@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from torch import nn
 

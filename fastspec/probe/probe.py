@@ -26,7 +26,8 @@ import fnmatch
 import inspect
 import re
 import warnings
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -37,7 +38,15 @@ from .budget import OverheadBudget, WorkTimer
 from .distributed import all_reduce_covariance, is_distributed
 from .families import DEFAULT_FAMILY, FAMILIES, Family
 from .record import PendingRecords, Record, RecordKey
-from .sites import CONVENTIONS, Accumulator, Collector, ModuleSite, as_bool_mask, first_tensor, layer_of
+from .sites import (
+    CONVENTIONS,
+    Accumulator,
+    Collector,
+    ModuleSite,
+    as_bool_mask,
+    first_tensor,
+    layer_of,
+)
 
 # per-site metrics, in record order (SpectrumMetrics field names, SPEC §3)
 SPECTRUM_METRICS = (
@@ -83,6 +92,10 @@ class Probe:
             used for queries and pre-RoPE keys.
         ffn_convention: ``"eig"`` (SPEC §5 FFN protocol) or ``"sv"``.
         backend: covariance update backend (``"auto"``, ``"torch"``, ``"triton"``).
+        exact_sv: ``sv`` sites (keys by default) sum ``Σxxᵀ`` in float64 with the torch backend,
+            so the key rank matches ``svdvals`` even for rank-deficient heads. ``False``: the
+            FP32 ``backend`` path (faster; singular values below ~3e-4·σ_max are not resolved,
+            ~1e-4 relative on the PR of a rank-deficient head). See ``sites.Collector``.
         every: streaming: capture the forwards of one step in ``every``.
         emit_every: streaming: compute metrics every ``emit_every`` calls of :meth:`step`.
         reset: streaming: zero the accumulators after each emission (``False``: running totals).
@@ -104,7 +117,7 @@ class Probe:
 
     def __init__(self, model: nn.Module, *, keys: bool = True, queries: bool = False, ffn: bool = True,
                  prerope_keys: bool = False, modules=None, key_convention: str = "sv",
-                 ffn_convention: str = "eig", backend: str = "auto", every: int = 1,
+                 ffn_convention: str = "eig", backend: str = "auto", exact_sv: bool = True, every: int = 1,
                  emit_every: int = 100, reset: bool = True, row_step: int = 1,
                  budget: float | None = None, sync: str = "all", process_group=None,
                  tp_rank: int = 0, clock: Callable[[], float] | None = None):
@@ -113,6 +126,7 @@ class Probe:
         self.keys, self.queries = _check_flag("keys", keys), _check_flag("queries", queries)
         self.ffn, self.prerope_keys = _check_flag("ffn", ffn), _check_flag("prerope_keys", prerope_keys)
         self.reset_after_emit = _check_flag("reset", reset)
+        self.exact_sv = _check_flag("exact_sv", exact_sv)
         for name, conv in (("key_convention", key_convention), ("ffn_convention", ffn_convention)):
             if conv not in CONVENTIONS:
                 raise ValueError(f"{name}: expected one of {CONVENTIONS}, got {conv!r}")
@@ -133,7 +147,7 @@ class Probe:
         self.module_sites = self._module_sites(modules)
         self.family = self._resolve_family()
 
-        self._stream = Collector(self.backend)
+        self._stream = Collector(self.backend, self.exact_sv)
         self._target: Collector | None = None   # where captures go right now
         self._depth = 0                          # >0 while the model's own forward runs
         self._mask: Tensor | None = None
@@ -371,7 +385,7 @@ class Probe:
         model = self.model
         modes = [(m, m.training) for m in model.modules()]
         installed_here = self._handles is None
-        previous_target, collector = self._target, Collector(self.backend)
+        previous_target, collector = self._target, Collector(self.backend, self.exact_sv)
         try:
             if installed_here:
                 self._install()
@@ -403,7 +417,7 @@ class Probe:
                               f"with modules=ModuleSite(..., heads=H).", stacklevel=3)
 
     # ---------------------------------------------------------------- streaming
-    def attach(self) -> "Probe":
+    def attach(self) -> Probe:
         """Start streaming: hooks stay on and captures go to the running accumulators."""
         if self._compiled:
             raise RuntimeError("attach: this model is already torch.compile'd, and a compiled graph would "
@@ -426,7 +440,7 @@ class Probe:
             self._remove()
 
     @contextlib.contextmanager
-    def streaming(self) -> Iterator["Probe"]:
+    def streaming(self) -> Iterator[Probe]:
         """``with probe.streaming(): train...`` attaches, and detaches also on error."""
         self.attach()
         try:
@@ -509,7 +523,11 @@ class Probe:
             cov, report = self._merge_ranks(acc)
             if not report:
                 continue
-            spec = cov.spectrum(acc.convention)  # [*sites, D], descending
+            # sv: σ = sqrt(λ(G)) turns an fp32 eigensolve's absolute error eps·λ_max into errors of
+            # sqrt(eps)·σ_max on every small σ: PR(σ) of a rank-8 head of width 128 moves by 1.3e-4
+            # (fp64: 3e-8 against svdvals). Runs only at emission time.
+            dtype = torch.float64 if acc.convention == "sv" else None
+            spec = cov.spectrum(acc.convention, dtype=dtype)  # [*sites, D], descending
             m = summarize(spec)
             n = cov.n.double()
             lam_max = spec[..., 0] if acc.convention == "eig" else spec[..., 0].square() / n  # of XᵀX/n (SPEC §4)
@@ -586,10 +604,7 @@ class Probe:
         if not isinstance(sd, dict) or sd.get("version") != 1:
             raise ValueError("state_dict: not a fastspec.Probe state_dict (version 1)")
         self._flush()
-        accs = {}
-        for entry in sd["accumulators"]:
-            accs[(entry["site"], entry["layer"])] = Accumulator.from_state_dict(entry, self.backend)
-        self._stream.accs = accs
+        self._stream.load(sd["accumulators"])
         self._history = [Record(**r) for r in sd["history"]]
         self._steps_seen = int(sd["steps_seen"])
         self._budget.load_state_dict(sd["budget"])
