@@ -75,3 +75,12 @@ def test_timer_measures_wall_clock_and_interleaves():
 def test_timer_refuses_bad_counts():
     with pytest.raises(ValueError, match="repeats"):
         measure(lambda: None, device=CPU, repeats=0)
+
+
+def test_model_suites_skip_cleanly_without_transformers(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    for suite in ("keyrank", "train_step"):
+        for case in cases(suite, "quick", CPU):
+            assert case.skip and "transformers" in case.skip

@@ -25,6 +25,8 @@ FLOOR_EPS = 8
 
 def within_bound(err: float, torch_err: float) -> bool:
     return math.isfinite(err) and err <= 2 * torch_err + FLOOR_EPS * EPS32
+
+
 SIZES = {"quick": ([16, 48], 4), "cpu": ([64, 128, 256], 32), "gpu": ([64, 128, 256], 256)}
 
 

@@ -21,6 +21,7 @@ import torch
 from .accuracy import FLOOR_EPS, within_bound
 from .cases import Case, Inputs, cases, check_tier, default_device, default_tier
 
+
 def tier_and_device() -> tuple[str, torch.device]:
     device = default_device()
     tier = os.environ.get("FASTSPEC_BENCH_TIER") or default_tier(device)
