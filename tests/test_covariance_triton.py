@@ -305,6 +305,55 @@ def test_bad_input_names_the_argument(call, match):
         call()
 
 
+# ------------------------------------------------------------- GPU compile, without a GPU
+_COMPILE_SCRIPT = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fastspec.covariance import triton_kernels as K
+
+def ptx(fn, types, consts, num_warps):
+    sig = {a: "constexpr" if a in consts else types.get(a, "i64" if a.startswith("stride") else "i32")
+           for a in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig,
+                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+
+ptrs = {"p_mask": "*u8", "p_status": "*i8", "p_c": "*fp32", "p_G": "*fp32", "p_s": "*fp32",
+        "p_n": "*i32", "p_rej": "*i32"}
+out = {}
+for dt, center, D, ntile in [("bf16", True, 128, 1), ("fp16", False, 2048, 16), ("fp32", True, 128, 1)]:
+    consts = dict(HAS_MASK=True, FUSED_STATUS=ntile == 1, CENTER=center, SPLIT_BF16=center and dt != "fp32",
+                  UPCAST=False, PRECISION="ieee", NTILE=ntile, BT=32, BD=128)
+    code = ptx(K._cov_partials_kernel, {"p_x": "*" + dt, **ptrs}, consts, 8)
+    out[dt] = {"wgmma": code.count("wgmma.mma_async"), "tf32": code.count("tf32")}
+ptx(K._center_kernel, {"p_x": "*bf16", **ptrs}, dict(HAS_MASK=True, ROUND_TO_INPUT=True, NC=64, BD=64), 4)
+ptx(K._row_status_kernel, {"p_x": "*bf16", **ptrs}, dict(HAS_MASK=True, BT=64, BD=128), 8)
+print(json.dumps(out))
+"""
+
+
+def test_kernels_compile_for_sm90_without_a_gpu():
+    """The interpreter runs kernels as Python and misses compile errors (e.g. return types of
+    constexpr-dead branches): compile every kernel for sm_90 with Triton's bundled ptxas.
+    Also pins the precision: bf16 products on tensor cores, fp32 never through TF32."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["bf16"]["wgmma"] > 0 and out["fp16"]["wgmma"] > 0
+    assert out["fp32"]["wgmma"] == 0 and out["fp32"]["tf32"] == 0
+
+
 # ---------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 def test_gpu_auto_uses_triton(monkeypatch):

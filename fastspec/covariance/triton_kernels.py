@@ -6,7 +6,7 @@ Design envelope
   row, so row validity, ``Σ(x−c)`` and ``Σ(x−c)(x−c)ᵀ`` come from ONE read of x: memory bound).
   ``D = 256`` and wide FFN widths (up to 16384) tile ``G`` into 128×128 blocks; only the upper
   triangle is computed (the lower is stored as its transpose) and a row-validity pre-pass reads
-  x once more. Wide ``D`` is a GEMM (``2·N·D²/2`` flops): compute bound, not memory bound.
+  x once more. Wide ``D`` is a GEMM (``N·D²`` flops over the triangle), not memory bound.
 * Inputs bf16/fp16/fp32 with arbitrary strides ``x: [B, T, S, D]`` (no ``.contiguous()``).
 * Products: bf16/fp16 rows go through tensor-core ``tl.dot`` with fp32 accumulation. Uncentered
   (``CENTER=False``, the ``sv`` key probe) products are exact. Centered rows ``d = x − c`` are
@@ -19,20 +19,29 @@ Design envelope
   summed in a fixed order by the launcher; no atomics, no autotuning (a different pick between
   processes would change the summation order), so equal inputs give bitwise equal sums.
 * No host sync: sizes come from shapes only; safe on the current stream inside forward hooks.
+* Block sizes (launcher ``_rows_and_warps``): the largest row blocks that ptxas fits in 255
+  registers without spilling on sm_90 (checked by compiling without a GPU): BD=128 fused:
+  32 rows, 8 warps; BD<=64: 32-64 rows, 4 warps; tiled: 64 rows, 8 warps; fp32: 16 rows.
+  The fp32 tiled kernel (FMA dot) still spills: fp32 input with D > 128 is outside the envelope.
 
 Byte/flop arithmetic (H100 SXM: ~3.35 TB/s HBM, ~990 TFLOP/s dense bf16; H200: 4.8 TB/s)
 -------------------------------------------------------------------------------------------
-* keys ``[B=8, H=8, T=2048, D=128]`` bf16: 33.6 MB read once; flops ``2·N·D²·H`` = 4.3 GFLOP
-  uncentered (4 µs at peak), ×4 centered (17 GFLOP, ~17 µs); memory time 10 µs (H100) / 7 µs
-  (H200). Uncentered (the ``sv`` key probe) is memory bound; centered is ~2× compute bound (a
-  per-block "skip the lo dots when lo ≡ 0" branch would recover large-mean data; not done). Workspace: ``SPLIT·H·D²·4``
-  bytes with ``SPLIT`` chosen so it stays ≤ 1/4 of the input bytes.
-  The torch per-head path reads x, writes an fp32 copy (2×), reads it for a batched matmul.
-* FFN ``[N=16384, D=8192]`` bf16: 268 MB read (validity pass + tiles re-read from L2/HBM),
-  ``N·D²`` = 1.1 TFLOP uncentered over the upper triangle (~1.1 ms at peak), ×4 centered.
-  Compute bound; the target is the tensor-core rate, not bandwidth.
+* keys ``[B=8, H=8, T=2048, D=128]`` bf16 (N = 16384 rows per head): 33.6 MB read once; flops
+  ``2·N·D²·H`` = 4.3 GFLOP uncentered (~4 µs at peak), ×4 centered (17 GFLOP, ~17 µs); memory
+  time 10 µs (H100) / 7 µs (H200). Uncentered (the ``sv`` key probe) is memory bound; centered
+  is ~2× compute bound (a per-block "skip the lo dots when lo ≡ 0" branch would recover
+  large-mean data; not done). Grid: 8 heads × SPLIT row splits with SPLIT = 16 on 132 SMs
+  (1024 rows each), workspace ``SPLIT·H·D²·4`` = 8.4 MB (≤ 1/4 of the input by construction).
+  The torch per-head path (``reference.py``) reads x, writes an fp32 copy, reads it back for an
+  fp32 einsum, i.e. ≥ 5× the bytes plus an fp32 (TF32-free) matmul.
+* FFN ``[N=16384, D=8192]`` bf16: 268 MB of x; ``N·D²`` = 1.1 TFLOP uncentered over the upper
+  triangle (~1.1 ms at peak), ×4 centered. Each of the 2080 tile programs reads 2×128 columns
+  of every row (64 flop/byte per 64-row block), i.e. ~17 GB of mostly-L2 traffic: expect it to
+  be L2 bound near 2-3 ms uncentered; larger tiles / TMA / a persistent schedule are the next
+  step if FFN probes need to be cheaper. The row-validity pre-pass adds one 268 MB read.
 * Targets (>= 80 % of HBM bandwidth on the key case, >= 3× the torch per-head matmul path) are
-  NOT measured yet: this code was written and tested on CPU under ``TRITON_INTERPRET=1`` only.
+  NOT measured: no GPU was available while writing this; the code is tested on CPU under
+  ``TRITON_INTERPRET=1`` and compiled for sm_90 (no GPU needed) in the test suite.
 """
 from __future__ import annotations
 

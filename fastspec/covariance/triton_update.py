@@ -62,6 +62,20 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _rows_and_warps(BD: int, NTILE: int, elem_bytes: int) -> tuple[int, int]:
+    """Rows per block and warps: the largest blocks ptxas (sm_90, Triton 3.9) fits without spills.
+
+    Checked by compiling for sm_90 without a GPU and reading ``cuobjdump -res-usage``; fp32
+    ``ieee`` dots run on the FMA units and are unrolled over the rows, hence short blocks (the
+    tiled fp32 kernel spills anyway: fp32 wide-D input is outside the envelope).
+    """
+    if elem_bytes == 4:
+        return 16, 8 if BD == 128 else 4
+    if NTILE > 1:
+        return 64, 8
+    return (32, 8) if BD == 128 else (32, 4) if BD == 64 else (64, 4)
+
+
 def launch_config(N: int, S: int, D: int, device: torch.device, elem_bytes: int,
                   split: int | None = None) -> LaunchConfig:
     """Tiles for ``[N rows, S sites, D]``: whole rows for D <= 128, else 128-wide tiles of G.
@@ -72,8 +86,7 @@ def launch_config(N: int, S: int, D: int, device: torch.device, elem_bytes: int,
     """
     BD = max(16, triton.next_power_of_2(D)) if D <= 128 else 128
     NTILE = triton.cdiv(D, BD)
-    BT = 128 if BD <= 64 else 64
-    num_warps = 4 if BD <= 64 else 8
+    BT, num_warps = _rows_and_warps(BD, NTILE, elem_bytes)
     if split is None:
         pairs = S * NTILE * (NTILE + 1) // 2
         target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
@@ -115,6 +128,7 @@ def covariance_partials_triton(x: Tensor, mask: Tensor | None = None, row_step: 
     _check(x, mask, row_step)
     if x.dtype == torch.float64:
         return covariance_partials_reference(x, mask, row_step, center)
+    x = x.detach()  # called from forward hooks: the kernels read the data, autograd has no part
     B, T, S, D = x.shape
     Tk = triton.cdiv(T, row_step)
     N = B * Tk
@@ -148,8 +162,8 @@ def covariance_partials_triton(x: Tensor, mask: Tensor | None = None, row_step: 
             status = c  # never read: FUSED_STATUS=True
         else:
             status = _empty(S, N, dtype=torch.int8, device=dev)
-            _row_status_kernel[(triton.cdiv(N, cfg.BT), S)](x, mask, status, N, Tk, D, **common,
-                                                             BT=cfg.BT, BD=cfg.BD)
+            _row_status_kernel[(triton.cdiv(N, 64), S)](x, mask, status, N, Tk, D, **common,
+                                                         BT=64, BD=128, num_warps=8)
         G_ws = _empty(cfg.split, S, D, D, **f32)
         s_ws = _empty(cfg.split, S, D, **f32)
         cnt = _empty(2, cfg.split, S, dtype=torch.int32, device=dev) if fused else c
