@@ -69,10 +69,12 @@ struct HostTeam {
   template <class Real> Real max(Real x) const { return x; }
 };
 
-// Work arrays of one matrix: a[n * lda] plus five vectors of n.
+// Work arrays of one matrix: a[n * n] plus four vectors of n.
 template <class Real> struct Work {
-  Real* a;   // full symmetric copy, row r / column c at a[r * lda + c]
-  int lda;
+  Real* a;   // full symmetric copy, element (r, c) at a[r * rs + c * cs], dense n x n
+  int rs, cs;  // device: row-major (rs = n, cs = 1): a block's threads walk consecutive columns,
+               // bank-conflict free. host: column-major (rs = 1, cs = n): the inner loops over r
+               // are contiguous and vectorize. Same arithmetic either way, only the layout differs.
   Real* d;   // diagonal of T
   Real* e;   // off-diagonal of T (e[i] couples i, i+1)
   Real* v;   // Householder vector, later e^2
@@ -89,8 +91,8 @@ FS_HD Real load_lower(const Team& team, const Real* in, int64_t sr, int64_t sc, 
     const int r = static_cast<int>(idx / n), c = static_cast<int>(idx % n);
     if (c > r) continue;  // the strict upper triangle is never read (torch UPLO='L' semantics)
     const Real x = in[r * sr + c * sc];
-    wk.a[r * wk.lda + c] = x;
-    wk.a[c * wk.lda + r] = x;
+    wk.a[r * wk.rs + c * wk.cs] = x;
+    wk.a[c * wk.rs + r * wk.cs] = x;
     const Real ax = Num<Real>::abs_(x);
     local = (ax <= Num<Real>::huge()) ? (ax > local ? ax : local) : INFINITY;  // NaN fails <=
   }
@@ -101,23 +103,23 @@ FS_HD Real load_lower(const Team& team, const Real* in, int64_t sr, int64_t sc, 
 template <class Team, class Real>
 FS_HD void tridiagonalize(const Team& team, int n, Work<Real> wk) {
   Real* a = wk.a;
-  const int lda = wk.lda, me = team.rank(), nt = team.size();
+  const int rs = wk.rs, cs = wk.cs, me = team.rank(), nt = team.size();
   for (int k = 0; k + 2 < n; ++k) {
     const int r0 = k + 1;  // the reflector acts on rows/columns r0..n-1
     // x = a[r0:, k]; H = I - tau u u^T with u = [1, x[1:] / (alpha - beta)] maps x to beta e1
     Real local = 0;
-    for (int i = r0 + 1 + me; i < n; i += nt) local += a[i * lda + k] * a[i * lda + k];
+    for (int i = r0 + 1 + me; i < n; i += nt) local += a[i * rs + k * cs] * a[i * rs + k * cs];
     const Real sigma = team.sum(local);
-    const Real alpha = a[r0 * lda + k];
+    const Real alpha = a[r0 * rs + k * cs];
     Real beta = alpha, tau = 0, inv = 0;
     if (sigma > 0) {  // uniform: sigma is the same on every member
       beta = -Num<Real>::copysign_(Num<Real>::sqrt_(alpha * alpha + sigma), alpha);
       tau = (beta - alpha) / beta;
       inv = Real(1) / (alpha - beta);
     }
-    if (me == 0) { wk.d[k] = a[k * lda + k]; wk.e[k] = beta; }
+    if (me == 0) { wk.d[k] = a[k * rs + k * cs]; wk.e[k] = beta; }
     if (tau == 0) { team.sync(); continue; }  // x already a multiple of e1 (or underflowed to 0)
-    for (int i = r0 + me; i < n; i += nt) wk.v[i] = (i == r0) ? Real(1) : a[i * lda + k] * inv;
+    for (int i = r0 + me; i < n; i += nt) wk.v[i] = (i == r0) ? Real(1) : a[i * rs + k * cs] * inv;
     team.sync();
     // p = tau * A22 u, one column per member: column access is bank-conflict free on the GPU.
     // Four interleaved partial sums: four independent FMA chains (GPU latency) and a rounding
@@ -126,12 +128,12 @@ FS_HD void tridiagonalize(const Team& team, int n, Work<Real> wk) {
       Real s0 = 0, s1 = 0, s2 = 0, s3 = 0;
       int r = r0;
       for (; r + 3 < n; r += 4) {
-        s0 += a[r * lda + c] * wk.v[r];
-        s1 += a[(r + 1) * lda + c] * wk.v[r + 1];
-        s2 += a[(r + 2) * lda + c] * wk.v[r + 2];
-        s3 += a[(r + 3) * lda + c] * wk.v[r + 3];
+        s0 += a[r * rs + c * cs] * wk.v[r];
+        s1 += a[(r + 1) * rs + c * cs] * wk.v[r + 1];
+        s2 += a[(r + 2) * rs + c * cs] * wk.v[r + 2];
+        s3 += a[(r + 3) * rs + c * cs] * wk.v[r + 3];
       }
-      for (; r < n; ++r) s0 += a[r * lda + c] * wk.v[r];
+      for (; r < n; ++r) s0 += a[r * rs + c * cs] * wk.v[r];
       wk.w[c] = tau * ((s0 + s1) + (s2 + s3));
     }
     local = 0;
@@ -142,16 +144,16 @@ FS_HD void tridiagonalize(const Team& team, int n, Work<Real> wk) {
     // A22 <- A22 - u w^T - w u^T (both triangles, so columns stay contiguous for the next p)
     for (int c = r0 + me; c < n; c += nt) {
       const Real vc = wk.v[c], wc = wk.w[c];
-      for (int r = r0; r < n; ++r) a[r * lda + c] -= wk.v[r] * wc + wk.w[r] * vc;
+      for (int r = r0; r < n; ++r) a[r * rs + c * cs] -= wk.v[r] * wc + wk.w[r] * vc;
     }
     team.sync();
   }
   if (me == 0) {
     if (n >= 2) {
-      wk.d[n - 2] = a[(n - 2) * lda + (n - 2)];
-      wk.e[n - 2] = a[(n - 1) * lda + (n - 2)];
+      wk.d[n - 2] = a[(n - 2) * rs + (n - 2) * cs];
+      wk.e[n - 2] = a[(n - 1) * rs + (n - 2) * cs];
     }
-    wk.d[n - 1] = a[(n - 1) * lda + (n - 1)];
+    wk.d[n - 1] = a[(n - 1) * rs + (n - 1) * cs];
   }
   team.sync();
 }
@@ -232,8 +234,7 @@ FS_HD void eigvalsh_one(const Team& team, const Real* in, int64_t sr, int64_t sc
   const int64_t nn = static_cast<int64_t>(n) * n;
   team.sync();
   for (int64_t idx = team.rank(); idx < nn; idx += team.size()) {
-    Real* p = &wk.a[(idx / n) * wk.lda + idx % n];
-    *p = Num<Real>::ldexp_(*p, -ex);
+    wk.a[idx] = Num<Real>::ldexp_(wk.a[idx], -ex);
   }
   team.sync();
   tridiagonalize(team, n, wk);

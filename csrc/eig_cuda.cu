@@ -65,7 +65,8 @@ eigvalsh_batched_kernel(const Real* __restrict__ in, Real* __restrict__ out, Rea
   Real* sm = reinterpret_cast<Real*>(smem_f64);
   const int64_t nn = static_cast<int64_t>(n) * n;
   Work<Real> wk;
-  wk.lda = n;
+  wk.rs = n;
+  wk.cs = 1;
   wk.a = matrix_in_smem ? sm : work + static_cast<int64_t>(blockIdx.x) * nn;
   wk.d = matrix_in_smem ? sm + nn : sm;
   wk.e = wk.d + n;

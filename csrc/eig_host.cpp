@@ -14,7 +14,8 @@ template <class Real>
 void host_eigvalsh(const Real* in, Real* out, int64_t batch, int n, int64_t sb, int64_t sr, int64_t sc, int64_t osb) {
   std::vector<Real> buf(static_cast<size_t>(n) * n + 4 * static_cast<size_t>(n));
   Work<Real> wk;
-  wk.lda = n;
+  wk.rs = 1;
+  wk.cs = n;
   wk.a = buf.data();
   wk.d = wk.a + static_cast<size_t>(n) * n;
   wk.e = wk.d + n;

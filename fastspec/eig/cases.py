@@ -10,11 +10,14 @@ from __future__ import annotations
 import zlib
 
 import numpy as np
+import torch
 
 
 def _rotation(rng: np.random.Generator, n: int) -> np.ndarray:
-    q, r = np.linalg.qr(rng.standard_normal((n, n)))
-    return q * np.sign(np.diag(r))  # Haar-distributed orthogonal
+    # torch's LAPACK, not numpy's: the scipy-openblas QR wheel takes ~0.5 s per 128 x 128 on a busy
+    # 2-core box (thread spin), which dominated the test suite
+    q, r = torch.linalg.qr(torch.from_numpy(rng.standard_normal((n, n))))
+    return (q * torch.sign(torch.diagonal(r))).numpy()  # Haar-distributed orthogonal
 
 
 def _with_spectrum(rng: np.random.Generator, lam: np.ndarray) -> np.ndarray:

@@ -1,0 +1,119 @@
+"""CUDA batched eigensolver (csrc/eig_cuda.cu, ``backend="cuda"``): same battery and criterion as
+the host twin (tests/test_eig_host.py), against torch.linalg.eigvalsh's fp32 *CUDA* error, plus
+the kernel-only concerns: shared-memory vs global-workspace paths, streams, large batches, CuPy.
+All tests need a GPU (marked ``gpu``; skipped on CPU CI). No timing is asserted here."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import fastspec
+from fastspec.eig.cases import FAMILIES, make_batch
+
+pytestmark = pytest.mark.gpu
+
+EPS32 = float(np.finfo(np.float32).eps)
+EPS64 = float(np.finfo(np.float64).eps)
+
+
+def cuda(A: torch.Tensor) -> torch.Tensor:
+    return fastspec.eigvalsh(A, backend="cuda")
+
+
+def reference(A: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(np.linalg.eigvalsh(A.double().cpu().numpy()))
+
+
+def assert_within_torch_error(A32: torch.Tensor, ours: torch.Tensor) -> None:
+    # criterion and floor justified in tests/test_eig_host.py
+    ref = reference(A32)
+    torch_err = (torch.linalg.eigvalsh(A32).double().cpu() - ref).abs().max().item()
+    our_err = (ours.double().cpu() - ref).abs().max().item()
+    floor = 8 * EPS32 * ref.abs().max().item()
+    assert our_err <= 2 * torch_err + floor, f"error {our_err:.3g} > 2 x torch {torch_err:.3g} + {floor:.3g}"
+
+
+def test_cuda_backend_available():
+    assert fastspec.backends()["cuda"]["available"], fastspec.backends()["cuda"]["reason"]
+
+
+@pytest.mark.parametrize("n", [2, 8, 17, 32, 64, 100, 128, 200, 240, 256], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_fp32_battery(family, n):
+    A = torch.from_numpy(make_batch(family, n, 16)).float().cuda()
+    ours = cuda(A)
+    assert ours.shape == (16, n) and ours.dtype == torch.float32 and ours.is_cuda
+    assert torch.isfinite(ours).all() and (ours.diff(dim=-1) >= 0).all()
+    assert_within_torch_error(A, ours)
+
+
+@pytest.mark.parametrize("n", [64, 128, 170, 256])  # fp64 n > 164 takes the global-workspace path
+def test_fp64(n):
+    A = torch.from_numpy(make_batch("indefinite", n, 8)).cuda()
+    ref = reference(A)
+    assert (cuda(A).cpu() - ref).abs().max() <= n * EPS64 * ref.abs().max()
+
+
+@pytest.mark.parametrize("n", [17, 128, 256])
+def test_matches_host_twin(n):
+    # same numerics, different summation order (block reductions): agree to rounding level
+    A = torch.from_numpy(make_batch("spd", n, 8)).float()
+    torch.testing.assert_close(cuda(A.cuda()).cpu(), fastspec.eigvalsh(A, backend="host"),
+                               atol=16 * EPS32 * n**0.5, rtol=0)
+
+
+def test_large_batch_4096x128():
+    A = torch.from_numpy(make_batch("gram_activations", 128, 64)).float().cuda().repeat(64, 1, 1)
+    out = cuda(A)
+    assert out.shape == (4096, 128)
+    assert torch.equal(out, out[:64].repeat(64, 1))  # every block computes the same as its twin
+    assert_within_torch_error(A[:64], out[:64])
+
+
+def test_nonfinite_matrix_gives_nan_and_spares_neighbours():
+    A = torch.from_numpy(make_batch("spd", 128, 4)).float().cuda()
+    solo = cuda(A)
+    A[1, 100, 3] = float("nan")
+    A[2, 127, 127] = float("inf")
+    out = cuda(A)
+    assert torch.isnan(out[1]).all() and torch.isnan(out[2]).all()
+    assert torch.equal(out[0], solo[0]) and torch.equal(out[3], solo[3])
+
+
+def test_strides_batch_dims_and_empty():
+    A = torch.from_numpy(make_batch("indefinite", 64, 8)).float().cuda()
+    for view in (A.mT, A[:, ::2, ::2], A[::2], A[:1].expand(5, -1, -1), A.reshape(2, 4, 64, 64)):
+        assert torch.equal(cuda(view), cuda(view.contiguous()))
+    assert cuda(A[:0]).shape == (0, 64)
+
+
+def test_runs_on_the_current_stream():
+    A = torch.from_numpy(make_batch("spd", 128, 256)).float().cuda()
+    expected = cuda(A)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        out = cuda(A)
+    s.synchronize()
+    assert torch.equal(out, expected)
+
+
+def test_auto_picks_cuda_and_compiles():
+    A = torch.from_numpy(make_batch("spd", 128, 32)).float().cuda()
+    assert torch.equal(fastspec.eigvalsh(A), cuda(A))
+    compiled = torch.compile(lambda x: fastspec.eigvalsh(x).sum(-1), fullgraph=True)
+    torch.testing.assert_close(compiled(A), cuda(A).sum(-1))
+
+
+def test_cupy_arrays_through_raw_pointers():
+    cp = pytest.importorskip("cupy")
+    from fastspec import _eig_ext
+
+    a = cp.asarray(make_batch("spd", 128, 8).astype(np.float32))
+    out = cp.empty((8, 128), dtype=cp.float32)
+    es = a.itemsize
+    _eig_ext.cuda_eigvalsh_f32(a.data.ptr, out.data.ptr, 0, 8, 128, a.strides[0] // es, a.strides[1] // es,
+                               a.strides[2] // es, 128, a.device.id, cp.cuda.get_current_stream().ptr)
+    cp.cuda.get_current_stream().synchronize()
+    torch.testing.assert_close(torch.from_numpy(cp.asnumpy(out)), cuda(torch.from_numpy(cp.asnumpy(a)).cuda()).cpu())
