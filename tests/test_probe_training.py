@@ -299,3 +299,15 @@ def test_warns_when_the_model_bypasses_the_attention_interface(monkeypatch):
     with pytest.warns(UserWarning, match="no keys were captured"):
         records = fastspec.Probe(model).measure(batch(), step=0)
     assert {r.site for r in records} == {"ffn"}
+
+
+def test_generation_with_kv_cache_counts_each_new_token_once():
+    model = build("llama")
+    inputs = batch(B=2, T=6, pad="left")
+    probe = fastspec.Probe(model, emit_every=1)
+    with probe.streaming():
+        model.generate(**inputs, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        records = probe.step(0)
+    # prefill: the valid prompt tokens; then 3 decode forwards of one token per sequence
+    # (keys arrive with the whole cache; only the new ones count)
+    assert {r.value for r in records if r.metric == "n"} == {inputs["attention_mask"].sum().item() + 2 * 3}

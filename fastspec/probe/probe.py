@@ -374,6 +374,8 @@ class Probe:
         computes every site's metrics, then restores each module's train/eval flag and removes
         the hooks it added, also when the forward raises. Streaming accumulators are untouched.
         A ``torch.compile``'d model is measured through its eager module (same parameters).
+        Under ``torch.distributed`` every rank calls ``measure`` with its share of the batch and
+        gets the metrics of the whole batch (``sync="all"``), as one process would.
 
         Returns the new records (also appended to :meth:`records`); waits for their values.
         """
@@ -455,6 +457,9 @@ class Probe:
           ``torch.distributed``) and resets them (``reset=True``) or keeps running totals;
         * measures the probe's overhead and, with ``budget``, chooses the capture interval;
         * decides whether the next step's forwards are captured (one step in ``every``).
+
+        Under ``torch.distributed`` (``sync`` not ``"none"``) emission is a collective: every rank
+        must call ``step`` the same number of times.
 
         Never syncs the device: returns the records whose values have already reached the host
         (on CPU: this emission's; on CUDA usually the previous one's). :meth:`records` waits.
