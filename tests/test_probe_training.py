@@ -2,6 +2,8 @@
 modes, autocast, torch.compile, hook removal on error, streaming schedules and state_dict."""
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 from _tiny_models import batch, build
@@ -195,7 +197,10 @@ def test_state_dict_round_trip_resumes_exactly():
         for i, b in enumerate(inputs[:2]):
             model(**b)
             first.step(i)
-    sd = first.state_dict()
+    buf = io.BytesIO()
+    torch.save({"probe": first.state_dict()}, buf)  # as it goes into a training checkpoint
+    buf.seek(0)
+    sd = torch.load(buf, weights_only=True)["probe"]
     resumed = fastspec.Probe(model, emit_every=4, reset=False)
     resumed.load_state_dict(sd)
     with resumed.streaming():
