@@ -150,7 +150,7 @@ def write_report(run_dir) -> Path:
         rows = []
         for cond in dict.fromkeys(df["condition"]):
             row = {"condition": cond}
-            for metric in ("participation_ratio", "entropy_rank", "utilization", "sui"):
+            for metric in ("participation_ratio", "entropy_rank", "utilization", "sui", "lambda_max"):
                 if _has(df, "ffn", metric):
                     t = analysis.trajectory(df[df["condition"] == cond], "ffn", metric)
                     row[metric] = float(t.sort_values("step")["mean"].iloc[-1]) if len(t) else None
@@ -158,7 +158,7 @@ def write_report(run_dir) -> Path:
         lines += ["## FFN post-activation (SPEC §5, eig convention; final step, mean over layers)", "",
                   markdown_table(rows, [("condition", "condition"), ("participation_ratio", "PR"),
                                         ("entropy_rank", "entropy rank"), ("utilization", "utilization"),
-                                        ("sui", "SUI")]), ""]
+                                        ("sui", "SUI"), ("lambda_max", "λ_max")]), ""]
     if spectra:
         tf = analysis.tail_fits(spectra)
         lines += ["## Spectral tail index (SPEC §4) and λ_max of the final spectra", "",

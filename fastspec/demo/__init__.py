@@ -7,7 +7,7 @@ folder gets records, plots and a Markdown report (see :mod:`fastspec.report`).
 
     fastspec demo                     # a few minutes on a 2-core CPU
     fastspec demo --quick             # seconds, for tests
-    fastspec demo --device cuda --layers 12 --d-model 768 --seq-len 1024 --steps 3000
+    fastspec demo --device cuda --layers 12 --d-model 768 --heads 12 --kv-heads 4 --seq-len 1024 --steps 3000
 """
 from .models import CONDITIONS, ModelSize, build_model
 from .train import DemoConfig, run_demo

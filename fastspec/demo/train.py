@@ -114,21 +114,25 @@ def _train_condition(condition: str, cfg: DemoConfig, train_tokens, batch_eval: 
     gen = torch.Generator().manual_seed(cfg.seed)  # same data order for every condition
     probe = Probe(model, keys=True, ffn=True)
     tokens_per_step = cfg.batch_size * cfg.size.seq_len
-    losses: list[float] = []
+    losses: list[torch.Tensor] = []  # kept on device: no host sync per step
+
+    bar = _progress(cfg.steps, condition, progress)
 
     def measure(step: int) -> None:
         tokens = step * tokens_per_step
         rows = [{**r.as_dict(), "condition": condition}
                 for r in probe.measure(batch_eval, step=step, tokens_seen=tokens)]
-        rows.append({"step": step, "tokens_seen": tokens, "site": "loss", "layer": None, "head": None,
-                     "metric": "eval_loss", "value": _eval_loss(model, batch_eval), "condition": condition})
-        if losses:
-            rows.append({"step": step, "tokens_seen": tokens, "site": "loss", "layer": None, "head": None,
-                         "metric": "train_loss", "value": float(np.mean(losses)), "condition": condition})
+        loss_row = {"step": step, "tokens_seen": tokens, "site": "loss", "layer": None, "head": None,
+                    "condition": condition}
+        eval_loss = _eval_loss(model, batch_eval)
+        rows.append({**loss_row, "metric": "eval_loss", "value": eval_loss})
+        if losses:  # mean training loss since the previous probe
+            rows.append({**loss_row, "metric": "train_loss", "value": float(torch.stack(losses).mean())})
             losses.clear()
         writer.write(rows)
+        if bar is not None:
+            bar.set_postfix(eval_loss=f"{eval_loss:.3f}")
 
-    bar = _progress(cfg.steps, condition, progress)
     try:
         measure(0)
         for step in range(cfg.steps):
@@ -140,10 +144,9 @@ def _train_condition(condition: str, cfg: DemoConfig, train_tokens, batch_eval: 
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            losses.append(float(loss.detach()))
+            losses.append(loss.detach())
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{losses[-1]:.3f}")
             done = step + 1
             if done % cfg.probe_every == 0 or done == cfg.steps:
                 measure(done)
