@@ -108,7 +108,7 @@ def _center_kernel(
     """
     i_s = tl.program_id(0)
     o_i = tl.arange(0, NC).to(tl.int64)
-    o_r = o_i * N // NC
+    o_r = tl.where(N > NC, o_i * N // NC, o_i)  # short chunks: every row once
     m_r = o_i < N
     o_b, o_t, o_row = _row_offsets(o_r, Tk, ROW_STEP, stride_xb, stride_xt)
     keep = _row_keep(p_mask, o_b, o_t, m_r, stride_mb, stride_mt, HAS_MASK)
