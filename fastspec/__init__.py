@@ -7,6 +7,10 @@ Public API:
     fastspec.fit_power_law    log-log least squares across widths (SPEC §4)
     fastspec.tail_index       spectral tail exponent over a rank window (SPEC §4)
     fastspec.Probe            per-layer/per-head metrics from a live (HF) model (SPEC §5)
+    fastspec.analysis         tables and width/tail fits of records   (loaded on first use:
+    fastspec.plots            matplotlib figures of records            these need pandas,
+    fastspec.integrations     TensorBoard, W&B, Lightning, HF Trainer  matplotlib or the
+                                                                       logging library)
 """
 from . import metrics
 from .covariance import Covariance
@@ -16,6 +20,17 @@ from .metrics import SpectrumMetrics, summarize
 from .probe import Probe, Record
 
 __version__ = "0.1.0"
+
+_LAZY_SUBMODULES = ("analysis", "plots", "report", "integrations", "demo")
+
+
+def __getattr__(name: str):
+    # `fastspec.analysis` etc. without importing pandas/matplotlib/transformers at `import fastspec`
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'fastspec' has no attribute {name!r}")
 
 __all__ = [
     "Covariance",

@@ -216,6 +216,7 @@ def test_conditions_share_initial_weights_and_differ_in_qk_norm():
 
 def test_core_import_stays_light():
     code = ("import sys, fastspec; heavy = [m for m in ('transformers', 'matplotlib', 'pandas', 'wandb', "
-            "'lightning', 'tensorboard') if m in sys.modules]; assert not heavy, heavy")
+            "'lightning', 'tensorboard') if m in sys.modules]; assert not heavy, heavy; "
+            "assert fastspec.analysis.to_frame([]).empty and 'pandas' in sys.modules")  # lazy submodule
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
