@@ -124,3 +124,20 @@ def test_torch_compile_fullgraph(dynamic):
     assert torch.equal(compiled(A), f(A))
     B = torch.from_numpy(make_batch("spd", 24, 6)).float()  # new batch size: recompiles or stays symbolic
     assert torch.equal(compiled(B), f(B))
+
+
+@needs_ext
+def test_cuda_status_asks_the_extension_runtime(monkeypatch):
+    # torch sees a GPU but the extension's static CUDA runtime does not (old driver): not usable,
+    # with a reason; the check also traces under torch.compile (constant-folded)
+    from fastspec import _eig_ext
+
+    if not _eig_ext.has_cuda or torch.cuda.is_available():
+        pytest.skip("needs a CUDA build on a machine without a GPU")
+    monkeypatch.setattr(native, "_runtime_devices", [])
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x + native._cuda_runtime_devices(), backend="eager", fullgraph=True)
+    assert torch.equal(f(torch.zeros(3)), torch.zeros(3))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    ok, reason = native.status("cuda")
+    assert not ok and "runtime sees no device" in reason

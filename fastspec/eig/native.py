@@ -23,6 +23,19 @@ DTYPES = (torch.float32, torch.float64)
 CUDA_MAX_N = 256  # design envelope of csrc/eig_cuda.cu; "auto" sends larger n to torch.linalg
 
 
+_runtime_devices: list[int] = []
+
+
+@torch.compiler.assume_constant_result
+def _cuda_runtime_devices() -> int:
+    # devices the extension's own (static) CUDA runtime sees: 0 also when the driver is older
+    # than the CUDA it was built with, where torch's runtime may still work. Asked once, lazily
+    # (never at import: no CUDA initialisation before a fork).
+    if not _runtime_devices:
+        _runtime_devices.append(_ext.cuda_device_count())
+    return _runtime_devices[0]
+
+
 def status(backend: str) -> tuple[bool, str]:
     """``(available, reason)`` of the ``"host"`` or ``"cuda"`` native backend in this process."""
     if _ext is None:
@@ -33,6 +46,8 @@ def status(backend: str) -> tuple[bool, str]:
         return False, "fastspec._eig_ext was built without CUDA (no nvcc at build time, or FASTSPEC_NO_CUDA=1)"
     if not torch.cuda.is_available():
         return False, "no CUDA device visible to torch"
+    if _cuda_runtime_devices() == 0:
+        return False, "the extension's CUDA runtime sees no device (NVIDIA driver older than its CUDA build?)"
     return True, f"batched block-per-matrix kernel, float32/float64 CUDA tensors, n <= {CUDA_MAX_N}"
 
 
