@@ -150,10 +150,13 @@ def _train_condition(condition: str, cfg: DemoConfig, train_tokens, batch_eval: 
             done = step + 1
             if done % cfg.probe_every == 0 or done == cfg.steps:
                 measure(done)
+    except KeyboardInterrupt:
+        spectra.update(_final_spectra(condition, model, batch_eval))  # the stopped model is plotted too
+        raise
     finally:
         if bar is not None:
             bar.close()
-        spectra.update(_final_spectra(condition, model, batch_eval))
+    spectra.update(_final_spectra(condition, model, batch_eval))
 
 
 @torch.no_grad()
