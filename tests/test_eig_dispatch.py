@@ -103,7 +103,7 @@ def test_explicit_backend_unavailable_raises(monkeypatch):
 
 
 @needs_ext
-@pytest.mark.parametrize("shape", [(5, 9, 9), (2, 3, 16, 16), (0, 4, 4), (1, 1)])
+@pytest.mark.parametrize("shape", [(5, 9, 9), (2, 3, 16, 16), (0, 4, 4), (3, 0, 0), (1, 1)])
 def test_custom_op_opcheck(shape):
     A = torch.randn(shape)
     A = A + A.mT

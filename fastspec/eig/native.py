@@ -8,6 +8,8 @@ module never fails; :func:`status` says what is usable and why not.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -64,7 +66,7 @@ def _flatten(A: Tensor, device_type: str) -> tuple[Tensor, Tensor]:
     if A.device.type != device_type:
         raise ValueError(f"A: expected a {device_type} tensor, got device {A.device}")
     n = A.shape[-1]
-    A3 = A.reshape(-1, n, n)
+    A3 = A.reshape(math.prod(A.shape[:-2]), n, n)  # not -1: ambiguous when n == 0
     return A3, torch.empty(A3.shape[:2], dtype=A.dtype, device=A.device)
 
 
