@@ -69,6 +69,26 @@ struct HostTeam {
   template <class Real> Real max(Real x) const { return x; }
 };
 
+// Four consecutive entries of a team-shared vector; p must be 16-byte aligned on the device, where
+// it is one 128-bit broadcast load per warp (two for double) instead of four: these broadcasts
+// are a third of the shared-memory traffic of the tridiagonalization.
+FS_HD void load4(const float* p, float& x0, float& x1, float& x2, float& x3) {
+#if defined(__CUDA_ARCH__)
+  const float4 q = *reinterpret_cast<const float4*>(p);
+  x0 = q.x; x1 = q.y; x2 = q.z; x3 = q.w;
+#else
+  x0 = p[0]; x1 = p[1]; x2 = p[2]; x3 = p[3];
+#endif
+}
+FS_HD void load4(const double* p, double& x0, double& x1, double& x2, double& x3) {
+#if defined(__CUDA_ARCH__)
+  const double2 q0 = reinterpret_cast<const double2*>(p)[0], q1 = reinterpret_cast<const double2*>(p)[1];
+  x0 = q0.x; x1 = q0.y; x2 = q1.x; x3 = q1.y;
+#else
+  x0 = p[0]; x1 = p[1]; x2 = p[2]; x3 = p[3];
+#endif
+}
+
 // Work arrays of one matrix: a[n * n] plus four vectors of n.
 template <class Real> struct Work {
   Real* a;   // full symmetric copy, element (r, c) at a[r * rs + c * cs], dense n x n
@@ -77,8 +97,8 @@ template <class Real> struct Work {
                // are contiguous and vectorize. Same arithmetic either way, only the layout differs.
   Real* d;   // diagonal of T
   Real* e;   // off-diagonal of T (e[i] couples i, i+1)
-  Real* v;   // Householder vector, later e^2
-  Real* w;   // A v, then w = p - (tau/2)(p.v) v, then the eigenvalues
+  Real* v;   // Householder vector, later e^2; 16-byte aligned (load4)
+  Real* w;   // A v, then w = p - (tau/2)(p.v) v, then the eigenvalues; 16-byte aligned
 };
 
 // Step 1: mirror the lower triangle of in (strides sr, sc in elements) into wk.a.
@@ -119,19 +139,26 @@ FS_HD void tridiagonalize(const Team& team, int n, Work<Real> wk) {
     }
     if (me == 0) { wk.d[k] = a[k * rs + k * cs]; wk.e[k] = beta; }
     if (tau == 0) { team.sync(); continue; }  // x already a multiple of e1 (or underflowed to 0)
-    for (int i = r0 + me; i < n; i += nt) wk.v[i] = (i == r0) ? Real(1) : a[i * rs + k * cs] * inv;
+    // loops over r start at the aligned r4 <= r0 (load4); u = w = 0 on [r4, r0) makes the extra
+    // terms exact no-ops (the stale entries there are finite)
+    const int r4 = r0 & ~3;
+    for (int i = r4 + me; i < n; i += nt) {
+      wk.v[i] = i < r0 ? Real(0) : (i == r0 ? Real(1) : a[i * rs + k * cs] * inv);
+      if (i < r0) wk.w[i] = 0;
+    }
     team.sync();
     // p = tau * A22 u, one column per member: column access is bank-conflict free on the GPU.
     // Four interleaved partial sums: four independent FMA chains (GPU latency) and a rounding
     // error bound growing with n/4 terms instead of n.
     for (int c = r0 + me; c < n; c += nt) {
-      Real s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-      int r = r0;
+      Real s0 = 0, s1 = 0, s2 = 0, s3 = 0, v0, v1, v2, v3;
+      int r = r4;
       for (; r + 3 < n; r += 4) {
-        s0 += a[r * rs + c * cs] * wk.v[r];
-        s1 += a[(r + 1) * rs + c * cs] * wk.v[r + 1];
-        s2 += a[(r + 2) * rs + c * cs] * wk.v[r + 2];
-        s3 += a[(r + 3) * rs + c * cs] * wk.v[r + 3];
+        load4(wk.v + r, v0, v1, v2, v3);
+        s0 += a[r * rs + c * cs] * v0;
+        s1 += a[(r + 1) * rs + c * cs] * v1;
+        s2 += a[(r + 2) * rs + c * cs] * v2;
+        s3 += a[(r + 3) * rs + c * cs] * v3;
       }
       for (; r < n; ++r) s0 += a[r * rs + c * cs] * wk.v[r];
       wk.w[c] = tau * ((s0 + s1) + (s2 + s3));
@@ -144,7 +171,17 @@ FS_HD void tridiagonalize(const Team& team, int n, Work<Real> wk) {
     // A22 <- A22 - u w^T - w u^T (both triangles, so columns stay contiguous for the next p)
     for (int c = r0 + me; c < n; c += nt) {
       const Real vc = wk.v[c], wc = wk.w[c];
-      for (int r = r0; r < n; ++r) a[r * rs + c * cs] -= wk.v[r] * wc + wk.w[r] * vc;
+      Real v0, v1, v2, v3, w0, w1, w2, w3;
+      int r = r4;
+      for (; r + 3 < n; r += 4) {
+        load4(wk.v + r, v0, v1, v2, v3);
+        load4(wk.w + r, w0, w1, w2, w3);
+        a[r * rs + c * cs] -= v0 * wc + w0 * vc;
+        a[(r + 1) * rs + c * cs] -= v1 * wc + w1 * vc;
+        a[(r + 2) * rs + c * cs] -= v2 * wc + w2 * vc;
+        a[(r + 3) * rs + c * cs] -= v3 * wc + w3 * vc;
+      }
+      for (; r < n; ++r) a[r * rs + c * cs] -= wk.v[r] * wc + wk.w[r] * vc;
     }
     team.sync();
   }

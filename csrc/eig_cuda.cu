@@ -11,7 +11,11 @@
 //     ~1.5x LAPACK's 4/3 n^3) + ~1.7 M ops Sturm bisection (128 eigenvalues x ~25 halvings x
 //     128-step recurrence). 4096 matrices ~ 25 GFLOP, but shared-memory traffic (~3 accesses
 //     per element per reflector, ~n^3 words per matrix) and ~7 barriers per reflector bound it.
-//   * 64 KiB + 2.6 KiB of shared memory per 128 x 128 fp32 block: 3 blocks (12 warps) per H100 SM.
+//   * 64 KiB + 2.2 KiB of shared memory per 128 x 128 fp32 block: 3 blocks (12 warps) per H100 SM;
+//     launch bounds ask for 3 resident blocks (64 registers fp32, 80 fp64, no spills on sm_90).
+//   * the Householder vectors are read as 128-bit broadcasts (load4), so per matrix element and
+//     reflector the block issues ~1 shared load for p = A u and ~2.5 (load, store, u/w) for the
+//     rank-2 update, in 1/32-warp units. NOT MEASURED YET on a GPU: timings are open.
 //   * larger n: not handled here; fastspec.eigvalsh falls back to torch.linalg.eigvalsh.
 // No torch headers, no libtorch: raw device pointers, element strides and a cudaStream_t, so the
 // same entry serves torch tensors and CuPy arrays.
@@ -57,28 +61,32 @@ struct BlockTeam {
 
 constexpr int kMaxThreads = 256;
 
+__host__ __device__ constexpr int64_t round_up4(int64_t x) { return (x + 3) & ~int64_t(3); }
+
 template <class Real>
-__global__ void __launch_bounds__(kMaxThreads)
+__global__ void __launch_bounds__(kMaxThreads, 3)  // 3 blocks per SM: the shared-memory bound at n = 128
 eigvalsh_batched_kernel(const Real* __restrict__ in, Real* __restrict__ out, Real* work, int64_t batch, int n,
                         int64_t sb, int64_t sr, int64_t sc, int64_t osb, bool matrix_in_smem) {
-  extern __shared__ double smem_f64[];  // double-typed so the buffer is 8-byte aligned
+  extern __shared__ __align__(16) double smem_f64[];
   Real* sm = reinterpret_cast<Real*>(smem_f64);
   const int64_t nn = static_cast<int64_t>(n) * n;
+  const int n4 = round_up4(n);  // every vector starts 16-byte aligned (load4 in eig_core.h)
   Work<Real> wk;
   wk.rs = n;
   wk.cs = 1;
   wk.a = matrix_in_smem ? sm : work + static_cast<int64_t>(blockIdx.x) * nn;
-  wk.d = matrix_in_smem ? sm + nn : sm;
-  wk.e = wk.d + n;
-  wk.v = wk.e + n;
-  wk.w = wk.v + n;
-  BlockTeam team{wk.w + n};
+  wk.d = matrix_in_smem ? sm + round_up4(nn) : sm;
+  wk.e = wk.d + n4;
+  wk.v = wk.e + n4;
+  wk.w = wk.v + n4;
+  BlockTeam team{wk.w + n4};
   for (int64_t b = blockIdx.x; b < batch; b += gridDim.x)
     eigvalsh_one(team, in + b * sb, sr, sc, n, out + b * osb, wk);
 }
 
 template <class Real> size_t smem_bytes(int n, bool matrix_in_smem) {
-  return sizeof(Real) * ((matrix_in_smem ? static_cast<size_t>(n) * n : 0) + 4 * static_cast<size_t>(n) + 32);
+  const int64_t nn = static_cast<int64_t>(n) * n;
+  return sizeof(Real) * static_cast<size_t>((matrix_in_smem ? round_up4(nn) : 0) + 4 * round_up4(n) + 32);
 }
 
 void check(cudaError_t err, const char* what) {
