@@ -4,14 +4,14 @@
 // model). fp32 and fp64. The per-matrix numerics are eig_core.h (shared with the host twin).
 //   * block = round_up(n, 32) threads, capped at 256: one matrix column (and later one
 //     eigenvalue) per thread. Reductions: warp shuffles + one shared word per warp.
-//   * the full n x n matrix sits in shared memory when it fits (fp32 n <= 232, fp64 n <= 164
+//   * the full n x n matrix sits in shared memory when it fits (fp32 n <= 236, fp64 n <= 168
 //     with the 227 KiB H100 opt-in limit); otherwise in a global workspace of one n x n matrix
 //     per resident block (L1/L2 cached; correct, but this is where the kernel stops being good).
 //   * work per 128 x 128 matrix: ~4.2 MFLOP tridiagonalization (full-storage rank-2 updates,
 //     ~1.5x LAPACK's 4/3 n^3) + ~1.7 M ops Sturm bisection (128 eigenvalues x ~25 halvings x
 //     128-step recurrence). 4096 matrices ~ 25 GFLOP, but shared-memory traffic (~3 accesses
 //     per element per reflector, ~n^3 words per matrix) and ~7 barriers per reflector bound it.
-//   * 64 KiB + 2.2 KiB of shared memory per 128 x 128 fp32 block: 3 blocks (12 warps) per H100 SM;
+//   * 64 KiB + 2.1 KiB of shared memory per 128 x 128 fp32 block: 3 blocks (12 warps) per H100 SM;
 //     launch bounds ask for 3 resident blocks (64 registers fp32, 80 fp64, no spills on sm_90).
 //   * the Householder vectors are read as 128-bit broadcasts (load4), so per matrix element and
 //     reflector the block issues ~1 shared load for p = A u and ~2.5 (load, store, u/w) for the

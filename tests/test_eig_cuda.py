@@ -48,7 +48,7 @@ def test_fp32_battery(family, n):
     assert_within_torch_error(A, ours)
 
 
-@pytest.mark.parametrize("n", [64, 128, 170, 256])  # fp64 n > 164 takes the global-workspace path
+@pytest.mark.parametrize("n", [64, 128, 170, 256])  # fp64 n > 168 takes the global-workspace path
 def test_fp64(n):
     A = torch.from_numpy(make_batch("indefinite", n, 8)).cuda()
     ref = reference(A)
