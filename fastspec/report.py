@@ -89,7 +89,8 @@ def _plots(df, spectra: dict, plot_dir: Path) -> list[tuple[str, str]]:
         emit(f"{stem}_trajectory", f"{what} vs tokens", plots.trajectory_plot(df, site, metric))
         emit(f"{stem}_heatmap", f"{what}, layer × step", plots.layer_heatmap(df, site, metric))
         pair = tuple(conds[:2]) if len(conds) >= 2 else None
-        emit(f"{stem}_layers", f"{what} per layer at the final step", plots.layer_bars(df, site, metric, conditions=pair))
+        emit(f"{stem}_layers", f"{what} per layer at the final step",
+             plots.layer_bars(df, site, metric, conditions=pair))
     if spectra:
         # one figure per site at its deepest layer, a line per condition (all layers would be
         # dozens of figures for a real model; the tail-fit table covers every layer)
@@ -134,7 +135,8 @@ def write_report(run_dir) -> Path:
                       ("min_step", "min at step"), ("final", "final PR"), ("final_step", "final step"),
                       ("collapsed_layer", "most collapsed layer"), ("collapsed_initial", "its initial PR"),
                       ("collapsed_final", "its final PR"), ("train_loss", "train loss"), ("eval_loss", "eval loss")]),
-                  "", "Most collapsed layer: largest relative drop of its head-mean PR from the first to the last probe.", ""]
+                  "", "Most collapsed layer: largest relative drop of its head-mean PR from the first "
+                  "to the last probe.", ""]
         zones = analysis.layer_zones(df, "keys", "participation_ratio")
         lines += ["### Layer zones (key PR)", "", markdown_table(zones.to_dict("records"), [
             ("condition", "condition"), ("zone", "zone"), ("layers", "layers"), ("initial", "initial"),

@@ -74,7 +74,7 @@ def heatmap(records, site: str = "keys", metric: str = "participation_ratio") ->
     layers = sorted({int(r["layer"]) for r in rows})
     heads = sorted({int(r["head"]) for r in rows})
     grid = np.full((len(layers), len(heads)), np.nan)
-    li, hi = {l: i for i, l in enumerate(layers)}, {h: i for i, h in enumerate(heads)}
+    li, hi = {layer: i for i, layer in enumerate(layers)}, {h: i for i, h in enumerate(heads)}
     for r in rows:
         grid[li[int(r["layer"])], hi[int(r["head"])]] = float(r["value"])
     return grid
