@@ -96,8 +96,9 @@ def spectral_concentration(v: Tensor, dim: int = -1) -> Tensor:
 
 
 def _sui_from_ranks(h: Tensor, s: Tensor) -> Tensor:
+    """``2hs/(h+s)``, 0 when both are 0; NaN ranks (an all-zero or NaN spectrum) stay NaN."""
     denom = h + s
-    return torch.where(denom > 0, 2 * h * s / torch.where(denom > 0, denom, 1), torch.zeros_like(h))
+    return torch.where(denom == 0, torch.zeros_like(h), 2 * h * s / torch.where(denom == 0, 1, denom))
 
 
 def spectral_utilization(v: Tensor, dim: int = -1) -> Tensor:

@@ -145,6 +145,15 @@ def test_all_zero_spectrum_is_nan_not_an_error():
     assert math.isnan(M.participation_ratio(torch.zeros(4)).item())
 
 
+@pytest.mark.parametrize("v", [torch.zeros(4), torch.tensor([3.0, float("nan"), 1.0, 0.5])])
+def test_undefined_ranks_stay_nan_through_sui_and_effective_dim(v):
+    """SUI and eDim are built on PR and eR: a NaN there must not turn into SUI 0 / eDim 1."""
+    s = M.summarize(v)
+    for name in ("sui", "effective_dim"):
+        assert math.isnan(getattr(s, name).item()), name
+    assert math.isnan(M.spectral_utilization(v).item()) and math.isnan(M.effective_dim(v).item())
+
+
 @pytest.mark.parametrize("bad,err,match", [
     (torch.arange(5), TypeError, "floating"),
     (torch.ones(5, dtype=torch.complex64), TypeError, "floating"),
