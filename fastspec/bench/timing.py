@@ -35,10 +35,12 @@ def time_once(fn: Callable[[], object], device: torch.device) -> float:
     """Seconds of one ``fn()`` call, device work included."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        # on ``device``'s stream, not the current device's (``--device cuda:1``)
+        stream = torch.cuda.current_stream(device)
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start.record(stream)
         fn()
-        stop.record()
+        stop.record(stream)
         stop.synchronize()
         return start.elapsed_time(stop) / 1e3
     t0 = time.perf_counter()
