@@ -20,6 +20,7 @@ import torch
 
 from .accuracy import FLOOR_EPS, within_bound
 from .cases import Case, Inputs, cases, check_tier, default_device, default_tier
+from .runner import _free
 
 
 def tier_and_device() -> tuple[str, torch.device]:
@@ -47,9 +48,14 @@ _last: dict[int, Inputs] = {}
 
 
 def _inputs(case: Case) -> Inputs:
-    """One setup per case: its sides are consecutive parameters, so keep only the last case's."""
+    """One setup per case: its sides are consecutive parameters, so keep only the last case's.
+
+    The previous case's inputs are freed first, as ``fastspec bench`` does between cases (a
+    Probe holds its model through reference cycles: without a collection two 1.5B training
+    setups would share the GPU)."""
     if id(case) not in _last:
         _last.clear()
+        _free(default_device())
         _last[id(case)] = case.setup()
     return _last[id(case)]
 
