@@ -54,8 +54,33 @@ def test_work_timer_host_clock_sums_capture_windows():
     timer = WorkTimer(clock)
     for _ in range(3):
         timer.stop(timer.start(None))
-    assert timer.pop() == pytest.approx(1.5)
-    assert timer.pop() == 0.0
+    assert timer.close_step("a") == [(pytest.approx(1.5), "a")]
+    assert timer.close_step("b") == [(0.0, "b")]
+
+
+class FakeEvent:
+    """Stands in for a CUDA event pair's end: completes when the test says so."""
+
+    def __init__(self, ms: float):
+        self.ms, self.done = ms, False
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, end) -> float:
+        return end.ms
+
+
+def test_work_timer_accounts_late_device_work_to_its_own_step():
+    # the host runs ahead of the GPU: a captured step's events complete only during a later
+    # (idle) step; their work must still be reported with the captured step's tag
+    timer = WorkTimer(TickClock(tick=0.0))
+    end = FakeEvent(ms=30.0)
+    timer._events.append((FakeEvent(0.0), end))  # what start()/stop() record on CUDA
+    assert timer.close_step("captured") == []     # not complete: nothing is reported yet
+    assert timer.close_step("idle") == []         # and nothing overtakes it
+    end.done = True
+    assert timer.close_step("idle2") == [(pytest.approx(0.03), "captured"), (0.0, "idle"), (0.0, "idle2")]
 
 
 def test_probe_adapts_interval_to_stay_under_budget():

@@ -3,7 +3,10 @@
 Work is timed per training step: on CPU with a host clock around every capture and emission;
 on CUDA with a pair of events per capture (read later, once they have completed, so timing
 never syncs the training stream). Step time is the host-clock interval between two
-:meth:`Probe.step` calls.
+:meth:`Probe.step` calls. A step's work is accounted to that step (its step time and whether it
+captured) once all its events have completed: without host syncs the host can run a step or
+more ahead of the GPU, and adding late events to whichever step is current would credit a
+captured step's cost to an idle one, so the budget would see captures as nearly free.
 
 Budget policy (deterministic): the fraction ``c = work / step_time`` is measured on the steps
 the probe is active, smoothed with an exponential moving average; capturing on one step in
@@ -16,7 +19,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -63,12 +68,13 @@ class OverheadBudget:
 
 
 class WorkTimer:
-    """Accumulates the probe's work time for the current step (host clock or CUDA events)."""
+    """The probe's work time per step (host clock or CUDA events), handed out per closed step."""
 
     def __init__(self, clock: Callable[[], float] | None = None):
         self.clock = clock or time.perf_counter
         self._host_s = 0.0
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._closed: deque[tuple[float, list, Any]] = deque()  # (host_s, events, tag) per step
 
     def start(self, device: torch.device | None):
         if device is not None and device.type == "cuda":
@@ -86,14 +92,13 @@ class WorkTimer:
         end.record()
         self._events.append((start, end))
 
-    def pop(self) -> float:
-        """Work seconds since the last pop; CUDA pairs not yet complete carry over (no sync)."""
-        total, self._host_s = self._host_s, 0.0
-        keep = []
-        for start, end in self._events:
-            if end.query():
-                total += start.elapsed_time(end) / 1e3
-            else:
-                keep.append((start, end))
-        self._events = keep
-        return total
+    def close_step(self, tag: Any) -> list[tuple[float, Any]]:
+        """End the current step's timing, labelled ``tag``; returns ``(work_s, tag)`` of every
+        closed step whose CUDA events have all completed, oldest first (never syncs)."""
+        self._closed.append((self._host_s, self._events, tag))
+        self._host_s, self._events = 0.0, []
+        done = []
+        while self._closed and all(end.query() for _, end in self._closed[0][1]):
+            host_s, events, t = self._closed.popleft()
+            done.append((host_s + sum(s.elapsed_time(e) for s, e in events) / 1e3, t))
+        return done

@@ -478,10 +478,11 @@ class Probe:
                 self._stream.reset()
             self._timer.stop(token)
         now = self._timer.clock()
-        if self._last_step_t is not None:
-            self._budget.observe(self._timer.pop(), now - self._last_step_t, self._capture_this_step)
-        else:
-            self._timer.pop()
+        step_s = None if self._last_step_t is None else now - self._last_step_t
+        # each step's work is judged with that step's time and capture flag, once its CUDA events are done
+        for work_s, (s, active) in self._timer.close_step((step_s, self._capture_this_step)):
+            if s is not None:
+                self._budget.observe(work_s, s, active)
         self._last_step_t = now
         self._capture_this_step = self._steps_seen % self._budget.every == 0
         if self._streaming:
