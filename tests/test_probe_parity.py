@@ -96,6 +96,21 @@ def test_key_rank_matches_hand_protocol(family, pad):
     assert {r.step for r in records} == {7}
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp32_sv_path_exact_sv_false_matches_hand_protocol(backend):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    model = build("llama")
+    inputs = batch(B=3, T=12, pad="left")
+    got = _probe_values(fastspec.Probe(model, ffn=False, exact_sv=False, backend=backend).measure(inputs, step=0),
+                        "keys", "participation_ratio")
+    exact = _probe_values(fastspec.Probe(model, ffn=False).measure(inputs, step=0), "keys", "participation_ratio")
+    assert got != exact  # the FP32 partials of `backend`, not the float64 torch path
+    for layer, K in _keys_by_hand(model, inputs).items():
+        for h, w in enumerate(_key_rank_by_hand(K).tolist()):
+            assert got[(layer, h)] == pytest.approx(w, rel=RTOL)  # full-rank heads: fp32 sums suffice
+
+
 def test_ffn_eig_metrics_match_covariance_eigvalsh():
     model = build("llama")
     inputs = batch(B=2, T=10, pad="right")
