@@ -93,9 +93,12 @@ class Probe:
         ffn_convention: ``"eig"`` (SPEC §5 FFN protocol) or ``"sv"``.
         backend: covariance update backend (``"auto"``, ``"torch"``, ``"triton"``).
         exact_sv: ``sv`` sites (keys by default) sum ``Σxxᵀ`` in float64 with the torch backend,
-            so the key rank matches ``svdvals`` even for rank-deficient heads. ``False``: the
-            FP32 ``backend`` path (faster; singular values below ~3e-4·σ_max are not resolved,
-            ~1e-4 relative on the PR of a rank-deficient head). See ``sites.Collector``.
+            so the key rank matches ``svdvals`` even for rank-deficient heads. This bypasses the
+            Triton kernels for those sites whatever ``backend`` says: each capture makes a
+            float64 copy of the rows and runs float64 products (slow on GPUs with reduced-rate
+            fp64), which counts against ``budget``. ``False``: the FP32 ``backend`` path
+            (faster; singular values below ~3e-4·σ_max are not resolved, ~1e-4 relative on the
+            PR of a rank-deficient head). See ``sites.Collector``.
         every: streaming: capture the forwards of one step in ``every``.
         emit_every: streaming: compute metrics every ``emit_every`` calls of :meth:`step`.
         reset: streaming: zero the accumulators after each emission (``False``: running totals).
