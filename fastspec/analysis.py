@@ -123,7 +123,8 @@ def summary_table(records, site: str = KEY_SITE, metric: str = KEY_METRIC) -> pd
     rows = []
     for cond, t in traj.groupby("condition", sort=False):
         t = t.sort_values("step")
-        i_min = t["mean"].idxmin()
+        finite = t["mean"].dropna()  # a diverged condition (NaN ranks throughout) has no minimum
+        i_min = finite.idxmin() if len(finite) else None
         layers = lm[lm["condition"] == cond]
         first = layers[layers["step"] == t["step"].iloc[0]].set_index("layer")["value"]
         last = layers[layers["step"] == t["step"].iloc[-1]].set_index("layer")["value"]
@@ -132,8 +133,8 @@ def summary_table(records, site: str = KEY_SITE, metric: str = KEY_METRIC) -> pd
         row = {
             "condition": cond,
             "initial": float(t["mean"].iloc[0]),
-            "min": float(t.loc[i_min, "mean"]),
-            "min_step": int(t.loc[i_min, "step"]),
+            "min": float("nan") if i_min is None else float(t.loc[i_min, "mean"]),
+            "min_step": None if i_min is None else int(t.loc[i_min, "step"]),
             "final": float(t["mean"].iloc[-1]),
             "final_step": int(t["step"].iloc[-1]),
             "collapsed_layer": None if worst is None else int(worst),
@@ -145,7 +146,8 @@ def summary_table(records, site: str = KEY_SITE, metric: str = KEY_METRIC) -> pd
             if not sel.empty:
                 row[loss] = float(sel.sort_values("step")["value"].iloc[-1])
         rows.append(row)
-    return pd.DataFrame(rows)
+    # nullable ints: a missing step/layer (a diverged condition) stays <NA> and the others stay ints
+    return pd.DataFrame(rows).astype({"min_step": "Int64", "collapsed_layer": "Int64"})
 
 
 def layer_table(records, site: str = KEY_SITE, metric: str = KEY_METRIC, which: str = "final") -> pd.DataFrame:

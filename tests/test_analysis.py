@@ -93,6 +93,16 @@ def test_summary_table_initial_min_final_and_collapsed_layer():
     assert (table.loc["a", "eval_loss"], table.loc["b", "eval_loss"]) == (1.5, 2.5)
 
 
+def test_summary_table_of_a_diverged_condition_has_no_minimum():
+    recs, _ = _study()
+    recs += _records({(s, l, 0): float("nan") for s in (0, 10) for l in range(3)}, condition="nan")
+    table = analysis.summary_table(recs).set_index("condition")
+    assert table.loc["b", "min_step"] == 10 and table.loc["b", "collapsed_layer"] == 2  # ints, not 10.0
+    row = table.loc["nan"]
+    assert pd.isna(row["min"]) and pd.isna(row["final"]) and row["final_step"] == 10
+    assert pd.isna(row["min_step"]) and pd.isna(row["collapsed_layer"])
+
+
 def test_layer_table_and_zones():
     recs, truth = _study()
     fin = analysis.layer_table(recs, which="final")
