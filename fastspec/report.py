@@ -66,6 +66,30 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     return "\n".join(out)
 
 
+def _rows(table) -> list[dict]:
+    """A DataFrame's rows as dicts for :func:`markdown_table`, missing values (NaN, <NA>) as None."""
+    return table.astype(object).where(table.notna(), None).to_dict("records")
+
+
+def _tail_fits(spectra: dict):
+    """:func:`fastspec.analysis.tail_fits` of each spectrum; one that cannot be fitted (fewer than
+    two positive values in the window, e.g. a diverged run's empty covariance) gets a row
+    without ``a``/``r2`` instead of failing the whole report."""
+    import pandas as pd
+
+    from . import analysis
+
+    rows = []
+    for name, v in spectra.items():
+        try:
+            rows.append(analysis.tail_fits({name: v}))
+        except ValueError:
+            v = np.asarray(v, dtype=float)
+            rows.append(pd.DataFrame([{"name": name, "D": len(v),
+                                       "lambda_max": float(np.max(v)) if v.size else None}]))
+    return pd.concat(rows, ignore_index=True)
+
+
 def _has(df, site: str, metric: str) -> bool:
     return bool(((df["site"] == site) & (df["metric"] == metric)).any())
 
@@ -130,7 +154,7 @@ def write_report(run_dir) -> Path:
     if _has(df, "keys", "participation_ratio"):
         table = analysis.summary_table(df, "keys", "participation_ratio")
         lines += ["## Key rank (SPEC §5: post-RoPE keys, sv participation ratio, mean over heads then layers)", "",
-                  markdown_table(table.to_dict("records"), [
+                  markdown_table(_rows(table), [
                       ("condition", "condition"), ("initial", "initial PR"), ("min", "min PR"),
                       ("min_step", "min at step"), ("final", "final PR"), ("final_step", "final step"),
                       ("collapsed_layer", "most collapsed layer"), ("collapsed_initial", "its initial PR"),
@@ -138,7 +162,7 @@ def write_report(run_dir) -> Path:
                   "", "Most collapsed layer: largest relative drop of its head-mean PR from the first "
                   "to the last probe.", ""]
         zones = analysis.layer_zones(df, "keys", "participation_ratio")
-        lines += ["### Layer zones (key PR)", "", markdown_table(zones.to_dict("records"), [
+        lines += ["### Layer zones (key PR)", "", markdown_table(_rows(zones), [
             ("condition", "condition"), ("zone", "zone"), ("layers", "layers"), ("initial", "initial"),
             ("final", "final"), ("ratio", "final / initial")]), ""]
     else:
@@ -146,7 +170,7 @@ def write_report(run_dir) -> Path:
     if _has(df, "gamma_k", "gamma_cv"):
         g = analysis.summary_table(df, "gamma_k", "gamma_cv")
         lines += ["### Key-norm scale γ (coefficient of variation over d_head, mean over layers)", "",
-                  markdown_table(g.to_dict("records"), [("condition", "condition"), ("initial", "initial"),
+                  markdown_table(_rows(g), [("condition", "condition"), ("initial", "initial"),
                                                         ("final", "final")]), ""]
     if _has(df, "ffn", "participation_ratio"):
         rows = []
@@ -162,13 +186,13 @@ def write_report(run_dir) -> Path:
                                         ("entropy_rank", "entropy rank"), ("utilization", "utilization"),
                                         ("sui", "SUI"), ("lambda_max", "λ_max")]), ""]
     if spectra:
-        tf = analysis.tail_fits(spectra)
+        tf = _tail_fits(spectra)
         lines += ["## Spectral tail index (SPEC §4) and λ_max of the final spectra", "",
-                  markdown_table(tf.to_dict("records"), [("name", "spectrum"), ("D", "D"), ("lambda_max", "λ_max"),
+                  markdown_table(_rows(tf), [("name", "spectrum"), ("D", "D"), ("lambda_max", "λ_max"),
                                                          ("a", "tail index a"), ("r2", "R²")]), ""]
     if "width" in df.columns and df["width"].nunique() >= 2:
         wf = analysis.width_fits(df, width_col="width")
-        lines += ["## Width fits (SPEC §4)", "", markdown_table(wf.to_dict("records"), [
+        lines += ["## Width fits (SPEC §4)", "", markdown_table(_rows(wf), [
             ("metric", "metric"), ("beta", "β"), ("stderr", "SE"), ("ci_low", "CI low"), ("ci_high", "CI high"),
             ("r2", "R²")]), ""]
     made = _plots(df, spectra, run_dir / "plots")

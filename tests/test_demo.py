@@ -133,6 +133,29 @@ def test_report_command_regenerates(quick_run):
     assert len(list((out / "plots").glob("*.png"))) >= 6
 
 
+def test_report_survives_a_diverged_condition(tmp_path):
+    """A condition whose activations went NaN (key PR NaN at every probe, an empty FFN
+    covariance) still gets a report: its cells are blank, the healthy condition's are intact."""
+    rows = []
+    for cond, pr in (("ok", lambda s, l: 6.0 - s / 10 - l), ("diverged", lambda s, l: float("nan"))):
+        for step in (0, 10, 20):
+            for layer in (0, 1):
+                for head in (0, 1):
+                    rows.append({"step": step, "tokens_seen": step * 64, "site": "keys", "layer": layer,
+                                 "head": head, "metric": "participation_ratio", "value": pr(step, layer),
+                                 "condition": cond})
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    np.savez(tmp_path / "spectra.npz", **{"ok/ffn/layer1": np.arange(64, 0, -1.0) ** -1.0,
+                                          "diverged/ffn/layer1": np.zeros(64)})
+    assert main(["report", str(tmp_path)]) == 0
+    report = (tmp_path / "report.md").read_text()
+    table = _key_table(report)
+    assert table["ok"]["min at step"] == "20" and table["ok"]["most collapsed layer"] == "1"
+    assert table["diverged"]["min PR"] == "–" and table["diverged"]["min at step"] == "–"
+    assert "| diverged/ffn/layer1 | 64 | 0 | – | – |" in report
+    assert "| ok/ffn/layer1 | 64 | 1.000 | 1.000 | 1.000 |" in report
+
+
 def test_ctrl_c_leaves_a_valid_partial_run(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
