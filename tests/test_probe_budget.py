@@ -123,6 +123,20 @@ def test_without_budget_every_step_is_captured_and_overhead_reported():
     assert {r.value for r in records if r.metric == "n"} == {5 * 2 * 8}
 
 
+def test_measure_is_not_timed_as_streaming_overhead():
+    # measure() work is not the streaming budget's: timing it would pile up CUDA events
+    # (popped only by step()) and charge eval forwards to the streaming capture interval
+    model = build("gpt2")
+    clock = TickClock(1e-3)
+    probe = fastspec.Probe(model, ffn=False, budget=0.01, clock=clock)
+    for step in range(3):
+        probe.measure(batch(B=2, T=8), step=step)
+    assert clock.reads == 0
+    with probe.streaming():
+        model(**batch(B=2, T=8))
+    assert clock.reads == 2 * 2  # streaming captures are timed: 2 layers, start + stop
+
+
 @pytest.mark.gpu
 def test_cuda_records_arrive_asynchronously_and_match_cpu():
     model = build("llama")

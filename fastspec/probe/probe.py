@@ -225,7 +225,9 @@ class Probe:
         target = self._target
         if target is None or self._depth == 0:
             return  # outside the model's own forward: e.g. the checkpoint recompute in backward
-        token = self._timer.start(x.device)
+        # only streaming work is the budget's to time: measure() captures would pile up CUDA
+        # events (never popped without step()) and count against the streaming interval
+        token = self._timer.start(x.device) if target is self._stream else None
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.no_grad())
             # inference-mode tensors may be read outside inference mode; the state must not become one
@@ -235,7 +237,8 @@ class Probe:
             x = x.detach()
             target.update(site, layer, x, self._mask_for(x), headed=headed, convention=convention,
                           head_offset=head_offset, row_step=self.row_step)
-        self._timer.stop(token)
+        if token is not None:
+            self._timer.stop(token)
 
     def _on_attention(self, layer: int):
         def callback(module, query: Tensor, key: Tensor) -> None:
