@@ -50,6 +50,16 @@ def test_padding_content_never_reaches_the_metrics(pad):
     assert any(abs(_by_key(rc)[k] - va[k]) > 1e-6 * abs(va[k]) for k in va)
 
 
+def test_attention_mask_passed_positionally_is_honoured():
+    model = build("llama")
+    inputs = batch(pad="left")
+    probe = fastspec.Probe(model, emit_every=1)
+    with probe.streaming():
+        model(inputs["input_ids"], inputs["attention_mask"])  # forward(input_ids, attention_mask, ...)
+        records = probe.step(0)
+    assert {r.value for r in records if r.metric == "n"} == {inputs["attention_mask"].sum().item()}
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_outputs_and_gradients_bitwise_unchanged(family):
     inputs = batch(pad="right")
