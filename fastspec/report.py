@@ -94,8 +94,10 @@ def _has(df, site: str, metric: str) -> bool:
     return bool(((df["site"] == site) & (df["metric"] == metric)).any())
 
 
-def _plots(df, spectra: dict, plot_dir: Path) -> list[tuple[str, str]]:
-    """Render every figure the records support; returns [(title, relative path)]."""
+def _plots(df, spectra: dict, plot_dir: Path, width_fits=None) -> list[tuple[str, str]]:
+    """Render every figure the records support; returns [(title, relative path)].
+
+    ``width_fits``: the report's :func:`fastspec.analysis.width_fits` table, drawn as is."""
     from . import plots
 
     plot_dir.mkdir(exist_ok=True)
@@ -130,7 +132,7 @@ def _plots(df, spectra: dict, plot_dir: Path) -> list[tuple[str, str]]:
             emit(f"spectrum_{site}", f"{site} spectrum, layer {depth}", plots.spectrum_plot(group))
             emit(f"cumvar_{site}", f"{site} cumulative variance, layer {depth}", plots.cumulative_variance_plot(group))
     if "width" in df.columns and df["width"].nunique() >= 2:
-        emit("width_fits", "Width fits", plots.width_fit_plot(df, width_col="width"))
+        emit("width_fits", "Width fits", plots.width_fit_plot(df, width_col="width", fits=width_fits))
     return made
 
 
@@ -190,12 +192,13 @@ def write_report(run_dir) -> Path:
         lines += ["## Spectral tail index (SPEC §4) and λ_max of the final spectra", "",
                   markdown_table(_rows(tf), [("name", "spectrum"), ("D", "D"), ("lambda_max", "λ_max"),
                                                          ("a", "tail index a"), ("r2", "R²")]), ""]
+    wf = None
     if "width" in df.columns and df["width"].nunique() >= 2:
         wf = analysis.width_fits(df, width_col="width")
         lines += ["## Width fits (SPEC §4)", "", markdown_table(_rows(wf), [
             ("metric", "metric"), ("beta", "β"), ("stderr", "SE"), ("ci_low", "CI low"), ("ci_high", "CI high"),
             ("r2", "R²")]), ""]
-    made = _plots(df, spectra, run_dir / "plots")
+    made = _plots(df, spectra, run_dir / "plots", wf)
     if made:
         lines += ["## Plots", ""] + [f"### {title}\n\n![{title}]({path})\n" for title, path in made]
     out = run_dir / "report.md"

@@ -156,6 +156,21 @@ def test_report_survives_a_diverged_condition(tmp_path):
     assert "| ok/ffn/layer1 | 64 | 1.000 | 1.000 | 1.000 |" in report
 
 
+def test_report_of_a_width_sweep_fits_and_plots_it(tmp_path):
+    """Records with a ``width`` column (SPEC §5 FFN width study) get the width-fit table and figure."""
+    rows = []
+    for width in (64, 128, 256, 512):
+        for layer in range(3):
+            for metric, beta in (("participation_ratio", 0.8), ("entropy_rank", 0.9)):
+                rows.append({"step": 0, "tokens_seen": 0, "site": "ffn", "layer": layer, "head": None,
+                             "metric": metric, "value": (1 + 0.05 * layer) * width ** beta, "width": width})
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["report", str(tmp_path)]) == 0
+    report = (tmp_path / "report.md").read_text()
+    assert "## Width fits" in report and (tmp_path / "plots" / "width_fits.png").is_file()
+    assert "| participation_ratio | 0.800 |" in report and "| entropy_rank | 0.900 |" in report
+
+
 def test_ctrl_c_leaves_a_valid_partial_run(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
