@@ -85,7 +85,10 @@ def tail_index(v, start: int | None = None, stop: int | None = None) -> TailFit:
     the sorted spectrum; defaults drop the first 5% (at least 1) and the last 20% of ranks,
     where finite-sample noise bends the curve. Non-positive values in the window are skipped.
     """
-    v = np.sort(_as_1d("v", v))[::-1]
+    v = _as_1d("v", v)
+    if not np.all(np.isfinite(v)):  # a NaN would sort first and shift every rank k by one
+        raise ValueError("v: a tail fit needs a finite spectrum (it has NaN/Inf values)")
+    v = np.sort(v)[::-1]
     D = len(v)
     if start is None:
         start = max(1, round(0.05 * D))

@@ -63,3 +63,5 @@ def test_tail_index_bad_window():
         fastspec.tail_index(np.zeros(10), start=0, stop=10)
     with pytest.raises(ValueError, match="1-D"):
         fastspec.tail_index(np.ones((2, 10)))
+    with pytest.raises(ValueError, match="finite"):
+        fastspec.tail_index(np.r_[np.nan, np.arange(20, 0, -1.0)])
