@@ -107,13 +107,14 @@ def _plots(df, spectra: dict, plot_dir: Path, width_fits=None) -> list[tuple[str
         plots.save(fig, plot_dir / f"{name}.png")
         made.append((title, f"{plot_dir.name}/{name}.png"))
 
-    conds = list(dict.fromkeys(df["condition"]))
     for site, metric, stem, what in (("keys", "participation_ratio", "key_pr", "Key PR (post-RoPE, sv)"),
                                      ("ffn", "participation_ratio", "ffn_pr", "FFN PR (eig)")):
         if not _has(df, site, metric):
             continue
         emit(f"{stem}_trajectory", f"{what} vs tokens", plots.trajectory_plot(df, site, metric))
         emit(f"{stem}_heatmap", f"{what}, layer × step", plots.layer_heatmap(df, site, metric))
+        # the first two conditions that have this site (a condition may lack it: layer_bars refuses those)
+        conds = list(dict.fromkeys(df.loc[(df["site"] == site) & (df["metric"] == metric), "condition"]))
         pair = tuple(conds[:2]) if len(conds) >= 2 else None
         emit(f"{stem}_layers", f"{what} per layer at the final step",
              plots.layer_bars(df, site, metric, conditions=pair))

@@ -171,6 +171,21 @@ def test_report_of_a_width_sweep_fits_and_plots_it(tmp_path):
     assert "| participation_ratio | 0.800 |" in report and "| entropy_rank | 0.900 |" in report
 
 
+def test_report_pairs_only_conditions_that_have_the_site(tmp_path):
+    """A condition with FFN records only must not be picked for the key-PR difference panel."""
+    rows = []
+    for cond, sites in (("ffn_only", ("ffn",)), ("a", ("keys", "ffn")), ("b", ("keys", "ffn"))):
+        for site in sites:
+            for step in (0, 10):
+                for layer in (0, 1):
+                    rows.append({"step": step, "tokens_seen": step, "site": site, "layer": layer, "head": 0,
+                                 "metric": "participation_ratio", "value": 4.0 + layer - step / 10,
+                                 "condition": cond})
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["report", str(tmp_path)]) == 0
+    assert (tmp_path / "plots" / "key_pr_layers.png").is_file()
+
+
 def test_ctrl_c_leaves_a_valid_partial_run(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
