@@ -72,6 +72,30 @@ def test_timer_measures_wall_clock_and_interleaves():
     assert t[1].median < t[0].median
 
 
+def test_timer_contexts_wrap_only_their_own_calls_outside_the_timing():
+    """The probe's hooks (``fastspec_context``) are on for the fastspec calls only, and
+    attaching/detaching them is not timed."""
+    import contextlib
+
+    state = {"on": False}
+    seen = {"a": [], "b": []}
+
+    @contextlib.contextmanager
+    def slow_hooks():
+        time.sleep(0.03)
+        state["on"] = True
+        try:
+            yield
+        finally:
+            state["on"] = False
+            time.sleep(0.03)
+
+    t = measure_interleaved([lambda: seen["a"].append(state["on"]), lambda: seen["b"].append(state["on"])],
+                            device=CPU, warmup=1, repeats=3, contexts=[slow_hooks, contextlib.nullcontext])
+    assert seen == {"a": [True] * 4, "b": [False] * 4}
+    assert t[0].median < 0.01
+
+
 def test_timer_refuses_bad_counts():
     with pytest.raises(ValueError, match="repeats"):
         measure(lambda: None, device=CPU, repeats=0)
