@@ -160,6 +160,25 @@ def test_large_mean(dtype, D):
     check_against_fp64(x, center=True, split=2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_ID.get)
+def test_means_near_the_spread(dtype):
+    # the benchmark's FFN data: means -4..4, spreads 0.05..2, so many channels have |mean| ~ 2σ,
+    # where leaving x unshifted makes Σxxᵀ ~5× the centered sum and loses its low bits
+    D = 128
+    x = torch.randn(1, 1024, 1, D) * torch.linspace(0.05, 2, D) + torch.linspace(-4, 4, D)
+    check_against_fp64(x.to(dtype), center=True, split=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DT_ID.get)
+def test_outlier_rows_stay_exact_in_the_split(dtype):
+    # rows 200× the rest (activation outliers, off the center's sample of every 8th row here):
+    # x − c must still fit the 16-bit hi + lo split (fp16 keeps 11 bits: c's grid matters)
+    D = 64
+    x = torch.randn(1, 512, 1, D) + torch.logspace(-4, 3, D, base=2)
+    x[:, 5::128] *= 200
+    check_against_fp64(x.to(dtype), center=True, split=2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DT_ID.get)
 def test_centered_split_covers_inexact_differences(dtype):
     # mean 2.5·std: the kernel shifts by c, and x near 0 makes x − c need more than 8 bits, so
@@ -169,6 +188,7 @@ def test_centered_split_covers_inexact_differences(dtype):
     d = x.float().reshape(-1, 2, 64) - got.c
     assert (got.c != 0).float().mean() > 0.5
     assert (d - d.bfloat16().float() != 0).float().mean() > 0.01
+    assert torch.equal(got.G, got.G.mT)  # the hi·lo / lo·hi dots round in different orders
 
 
 def test_large_mean_streamed_matches_fp64():

@@ -11,8 +11,8 @@ Design envelope
 * Products: bf16/fp16 rows go through tensor-core ``tl.dot`` with fp32 accumulation. Uncentered
   (``CENTER=False``, the ``sv`` key probe) products are exact. Centered rows ``d = x − c`` are
   fp32; they are split ``d ≈ hi + lo`` (both bf16, 16 significant bits, exact whenever ``d``
-  needs ≤ 16 bits, which holds when ``c`` is rounded to the input dtype and ``x`` is within 2^8
-  of ``c`` in magnitude) and ``d dᵀ = hi hiᵀ + hi loᵀ + lo hiᵀ + lo loᵀ``: 4 dots (dropping
+  needs ≤ 16 bits; ``c`` lies on a grid of spacing ≥ σ/32 (``_center_kernel``), so ``d`` is a
+  multiple of ``min(σ/32, ulp(x))`` and rows up to ~2^11·σ from ``c`` stay exact) and ``d dᵀ = hi hiᵀ + hi loᵀ + lo hiᵀ + lo loᵀ``: 4 dots (dropping
   ``lo loᵀ`` biases the diagonal by ~2^-18 relative, far above fp32 error). fp32 input uses
   ``input_precision="ieee"`` (never TF32): exact but on the FMA units, i.e. compute bound.
 * Determinism: fixed tile/row-block order, per-row-split partials written to a workspace and
@@ -99,12 +99,13 @@ def _center_kernel(
     ROW_STEP,
     HAS_MASK: tl.constexpr, ROUND_TO_INPUT: tl.constexpr, NC: tl.constexpr, BD: tl.constexpr,
 ):
-    """c[s, j] = sample mean m_j of channel j if m_j² > 4·var_j, else 0 (0 if no valid rows).
+    """c[s, j] = sample mean m_j of channel j rounded to a power-of-two grid of about σ_j/16
+    (0 if |m_j| is below half a step, or there are no valid rows).
 
     The sample: the valid rows among NC rows spread evenly over the chunk (spreading keeps
     left/right padding from emptying it). Any shift near the mean keeps the centered products
-    small. With ROUND_TO_INPUT, c is rounded to the input dtype so that x − c is exact in fp32
-    and, for x near c, needs few bits (exact in the hi + lo bf16 split).
+    small; the coarse grid (and, with ROUND_TO_INPUT, the input dtype's grid) keeps x − c exact
+    in fp32 and short enough for the hi + lo bf16 split.
     """
     i_s = tl.program_id(0)
     o_i = tl.arange(0, NC).to(tl.int64)
@@ -129,12 +130,20 @@ def _center_kernel(
         b_mean = tl.sum(b_x, axis=0) / b_cnt
         b_dev = tl.where(m, b_x - b_mean[None, :], 0.0)
         b_var = tl.sum(b_dev * b_dev, axis=0) / b_cnt
+        # c = the mean rounded to a multiple of q, a power of two in (σ/32, σ/16] (σ: the
+        # sample's std; exact bit trick, no log2), then (ROUND_TO_INPUT) to the input dtype,
+        # i.e. to the coarser of the two grids. c is within ~σ/8 of the mean (no cancellation
+        # in G − s sᵀ/n), |mean| < q/2 gives c = 0, and x − c is a multiple of min(q, ulp(x)):
+        # few bits for x anywhere near c, outliers included (the split needs <= 16).
+        b_q = (tl.sqrt(b_var).to(tl.uint32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+        b_q = b_q * 0.0625
+        b_ok = (b_q > 0) & (b_q < float("inf"))
+        b_k = b_mean / tl.where(b_ok, b_q, 1.0)
+        # σ = 0 or |mean| >= 2^24·q: the mean itself; σ = inf (overflow): 0
+        b_c = tl.where(b_ok & (tl.abs(b_k) < 16777216.0), tl.floor(b_k + 0.5) * b_q, b_mean)
+        b_c = tl.where(b_var < float("inf"), b_c, 0.0)
         if ROUND_TO_INPUT:
-            b_mean = b_mean.to(p_x.dtype.element_ty).to(tl.float32)
-        # shift only channels whose mean dominates their spread (mean² > 4·var): there x − c is
-        # small and exact in few bits; elsewhere c = 0 keeps x − c = x exact, and the fp64
-        # merge of the raw sums loses at most log2(1 + mean²/var) <= log2(5) bits
-        b_c = tl.where(b_mean * b_mean > 4.0 * b_var, b_mean, 0.0)
+            b_c = b_c.to(p_x.dtype.element_ty).to(tl.float32)
         tl.store(p_c + i_s.to(tl.int64) * D + o_d, b_c, mask=m_d)
 
 

@@ -3,8 +3,9 @@
 :func:`covariance_partials_triton` has the contract of
 :func:`fastspec.covariance.reference.covariance_partials_reference`, except that the center
 ``c`` is a per-site shift chosen in-kernel rather than the exact chunk mean: per channel, the
-mean of up to 64 valid rows spread over the chunk, rounded to the input dtype, where it
-dominates the channel's spread, and 0 elsewhere; the caller's Chan merge is exact for any shift. It runs on CUDA tensors, and on CPU tensors when ``TRITON_INTERPRET=1``
+mean of up to 64 valid rows spread over the chunk, rounded to a power-of-two grid of about 1/16
+of their std (and to the input dtype); the caller's Chan merge is exact for any shift. It runs on
+CUDA tensors, and on CPU tensors when ``TRITON_INTERPRET=1``
 was set before triton was imported (this is how the CPU tests reach the kernels).
 
 Per call, with no host sync (sizes come from shapes only) on the current CUDA stream:
@@ -141,6 +142,7 @@ def covariance_partials_triton(x: Tensor, mask: Tensor | None = None, row_step: 
     cfg = launch_config(N, S, D, dev, x.element_size(), split)
     fused = cfg.NTILE == 1
     lowp = x.dtype in (torch.bfloat16, torch.float16)
+    split_bf16 = bool(center) and lowp
     if mask is not None:
         mask = mask if mask.dtype == torch.bool else mask != 0
         mask = mask.view(torch.uint8)  # same bytes; triton loads bool pointers unevenly across versions
@@ -170,12 +172,16 @@ def covariance_partials_triton(x: Tensor, mask: Tensor | None = None, row_step: 
         _cov_partials_kernel[(cfg.NTILE * cfg.NTILE, S, cfg.split)](
             x, mask, status, c, G_ws, s_ws, cnt, cnt[1] if fused else c,
             N, Tk, D, S, cfg.rows_per_split, **common,
-            FUSED_STATUS=fused, CENTER=bool(center), SPLIT_BF16=bool(center) and lowp,
+            FUSED_STATUS=fused, CENTER=bool(center), SPLIT_BF16=split_bf16,
             UPCAST=_interpreting(), PRECISION="ieee",
             NTILE=cfg.NTILE, BT=cfg.BT, BD=cfg.BD, num_warps=cfg.num_warps)
 
     # fixed-order reduction of the row splits (a plain dim reduction: no atomics)
     G = G_ws[0] if cfg.split == 1 else G_ws.sum(0)
+    if split_bf16:
+        # the hi·lo and lo·hi dots round G[i, j] and G[j, i] in different orders: average with
+        # the transpose so G is exactly symmetric (as the mirrored off-diagonal tiles are)
+        G = (G + G.mT) * 0.5
     s = s_ws[0] if cfg.split == 1 else s_ws.sum(0)
     if fused:
         n, rejected = cnt.sum(1, dtype=torch.int64).unbind(0)
