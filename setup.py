@@ -90,7 +90,12 @@ class BuildExt(build_ext):
             cmd = [nvcc, "-std=c++17", "-O3", "-Xcompiler", "-fPIC", *_gencode_flags(archs),
                    "-I", str(CSRC), "-c", str(CSRC / "eig_cuda.cu"), "-o", str(obj)]
             _say("building the CUDA eigensolver: " + " ".join(cmd))
-            subprocess.check_call(cmd)  # a compile error fails the install, by design
+            try:
+                subprocess.check_call(cmd)  # a compile error fails the install, by design
+            except (subprocess.CalledProcessError, OSError) as exc:
+                raise RuntimeError(f"fastspec setup: nvcc failed to build csrc/eig_cuda.cu ({exc}); set "
+                                   "FASTSPEC_NO_CUDA=1 to build the host twin only, or FASTSPEC_NO_EXT=1 "
+                                   "for a pure-Python install") from exc
             ext.extra_objects.append(str(obj))
             ext.library_dirs.append(_cuda_lib_dir(nvcc))
             ext.libraries += ["cudart_static", "rt", "pthread", "dl"]
