@@ -194,17 +194,15 @@ class Covariance:
         st = self._state
         nb = p.n.to(torch.int64)
         st["rejected"] += p.rejected.to(torch.int64)
-        s64, G64, c64 = p.s.double(), p.G.double(), p.c.double()
+        s64, G64 = p.s.double(), p.G.double()
         if not self.track_mean:
-            # raw sums: Σx = Σ(x−c) + n c, Σxxᵀ = G + c sᵀ + s cᵀ + n c cᵀ (c is 0 unless a kernel shifted)
-            nbf = nb.double()[:, None]
-            st["sum"] += s64 + nbf * c64
-            cs = c64[:, :, None] * s64[:, None, :]
-            st["gram"] += G64 + cs + cs.transpose(1, 2) + nbf[..., None] * c64[:, :, None] * c64[:, None, :]
+            # raw sums: every backend takes center=False partials about c = 0 (reference.py)
+            st["sum"] += s64
+            st["gram"] += G64
             st["n"] += nb
             return
         nbf = nb.double().clamp_min(1)[:, None]
-        mean_b = c64 + s64 / nbf
+        mean_b = p.c.double() + s64 / nbf
         m2_b = G64 - s64[:, :, None] * s64[:, None, :] / nbf[..., None]
         self._chan_merge(st, nb, mean_b, m2_b)
 
