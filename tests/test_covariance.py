@@ -259,3 +259,29 @@ def test_bad_arguments_name_the_argument():
         cov.merge(fastspec.Covariance(5))
     with pytest.raises(TypeError, match="other"):
         cov.merge(torch.zeros(4))
+
+
+def test_sites_without_enough_rows_get_nan_spectra_not_an_error():
+    x = torch.randn(1, 2, 4, 3)  # one row per site: the unbiased covariance is undefined
+    x[0, 0, 1] = float("nan")  # site 1 also refuses that row: n = 0 there
+    cov = fastspec.Covariance((4, 3)).update(x.reshape(2, 4, 3))
+    assert cov.n.tolist() == [2, 1, 2, 2]
+    lam = cov.spectrum("eig")
+    assert torch.isnan(lam[1]).all() and torch.isfinite(lam[[0, 2, 3]]).all()
+    torch.testing.assert_close(lam[0], torch.linalg.eigvalsh(cov.covariance()[0]).flip(-1).clamp_min(0))
+    assert torch.isnan(cov.metrics("eig").participation_ratio[1])
+    single = fastspec.Covariance(3).update(torch.randn(1, 3))
+    assert torch.isnan(single.spectrum("eig")).all()
+    assert torch.isfinite(single.spectrum("sv")).all()  # the raw Gram of one row is defined
+
+
+def test_to_moves_the_state():
+    cov = fastspec.Covariance(4).update(torch.randn(10, 4, dtype=torch.float64))
+    ref = cov.covariance().clone()
+    moved = cov.to("cpu")
+    assert moved is cov and cov.device == torch.device("cpu")
+    torch.testing.assert_close(cov.covariance(), ref)
+    empty = fastspec.Covariance(4).to("cpu")
+    assert empty.device == torch.device("cpu")
+    empty.update(torch.randn(3, 4))
+    assert empty.n.item() == 3

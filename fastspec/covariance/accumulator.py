@@ -116,6 +116,14 @@ class Covariance:
             raise RuntimeError("Covariance has seen no data yet: call update(x) first")
         return self._state
 
+    def to(self, device: torch.device | str) -> "Covariance":
+        """Move the accumulators (e.g. a checkpoint loaded on CPU) to ``device``, in place."""
+        device = torch.device(device)
+        if self._state is not None:
+            self._state = {k: v.to(device) for k, v in self._state.items()}
+        self._device = device
+        return self
+
     def reset(self) -> None:
         """Zero every accumulator (the device and settings stay)."""
         if self._state is not None:
@@ -285,6 +293,7 @@ class Covariance:
         ``eig``: eigenvalues of the unbiased centered covariance. ``sv``: singular values of the
         raw uncentered data matrix, ``σ = sqrt(λ(G))`` (SPEC §2). ``dtype`` is the precision of
         the eigensolve: default float32 on CUDA (the fast batched solver) and float64 elsewhere.
+        A site without a defined matrix (``eig`` with fewer than 2 rows) gets an all-NaN spectrum.
         """
         from ..eig import eigvalsh
 
@@ -293,8 +302,13 @@ class Covariance:
         st = self._require_data()
         if dtype is None:
             dtype = torch.float32 if st["n"].is_cuda else torch.float64
-        mat = self.covariance() if convention == "eig" else self.gram()
-        lam = eigvalsh(mat.to(dtype)).flip(-1).clamp_min(0)
+        mat = (self.covariance() if convention == "eig" else self.gram()).to(dtype)
+        # torch.linalg raises on NaN (and would sync to find out): solve a zero stand-in instead
+        # and mark those sites NaN, so one empty site never hides its neighbours' spectra.
+        undefined = ~torch.isfinite(mat).all(-1).all(-1)
+        mat = torch.where(undefined[..., None, None], 0, mat)
+        lam = eigvalsh(mat).flip(-1).clamp_min(0)
+        lam = torch.where(undefined[..., None], float("nan"), lam)
         return lam.sqrt() if convention == "sv" else lam
 
     def metrics(self, convention: str = "eig", *, dtype: torch.dtype | None = None) -> SpectrumMetrics:
