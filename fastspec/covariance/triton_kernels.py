@@ -65,6 +65,19 @@ def _row_keep(p_mask, o_b, o_t, m_r, stride_mb, stride_mt, HAS_MASK: tl.constexp
 
 
 @triton.jit
+def _count_nonfinite(p_row, keep, D, stride_xd, ROWS: tl.constexpr, BD: tl.constexpr):
+    """Per kept row, how many of its D values are NaN/±Inf (one pass over D in BD tiles)."""
+    b_bad = tl.zeros([ROWS], dtype=tl.int32)
+    for i_d in range(0, tl.cdiv(D, BD)):
+        o_d = i_d * BD + tl.arange(0, BD)
+        b_x = tl.load(p_row[:, None] + o_d[None, :].to(tl.int64) * stride_xd,
+                      mask=keep[:, None] & (o_d < D)[None, :], other=0).to(tl.float32)
+        # x − x is 0 for finite x and NaN for NaN/±Inf: one test for both
+        b_bad += tl.sum(((b_x - b_x) != 0).to(tl.int32), axis=1)
+    return b_bad
+
+
+@triton.jit
 def _row_status_kernel(
     p_x, p_mask, p_status,
     N, Tk, D,
@@ -79,14 +92,7 @@ def _row_status_kernel(
     o_b, o_t, o_row = _row_offsets(o_r, Tk, ROW_STEP, stride_xb, stride_xt)
     keep = _row_keep(p_mask, o_b, o_t, m_r, stride_mb, stride_mt, HAS_MASK)
     p_row = p_x + i_s.to(tl.int64) * stride_xs + o_row
-    b_bad = tl.zeros([BT], dtype=tl.int32)
-    for i_d in range(0, tl.cdiv(D, BD)):
-        o_d = i_d * BD + tl.arange(0, BD)
-        m_d = o_d < D
-        b_x = tl.load(p_row[:, None] + o_d[None, :].to(tl.int64) * stride_xd,
-                      mask=keep[:, None] & m_d[None, :], other=0).to(tl.float32)
-        # x − x is 0 for finite x and NaN for NaN/±Inf: one test for both
-        b_bad += tl.sum(((b_x - b_x) != 0).to(tl.int32), axis=1)
+    b_bad = _count_nonfinite(p_row, keep, D, stride_xd, BT, BD)
     b_status = tl.where(keep, tl.where(b_bad == 0, 1, 2), 0).to(tl.int8)
     tl.store(p_status + i_s.to(tl.int64) * N + o_r, b_status, mask=m_r)
 
@@ -114,12 +120,7 @@ def _center_kernel(
     o_b, o_t, o_row = _row_offsets(o_r, Tk, ROW_STEP, stride_xb, stride_xt)
     keep = _row_keep(p_mask, o_b, o_t, m_r, stride_mb, stride_mt, HAS_MASK)
     p_row = p_x + i_s.to(tl.int64) * stride_xs + o_row
-    b_bad = tl.zeros([NC], dtype=tl.int32)
-    for i_d in range(0, tl.cdiv(D, BD)):
-        o_d = i_d * BD + tl.arange(0, BD)
-        b_x = tl.load(p_row[:, None] + o_d[None, :].to(tl.int64) * stride_xd,
-                      mask=keep[:, None] & (o_d < D)[None, :], other=0).to(tl.float32)
-        b_bad += tl.sum(((b_x - b_x) != 0).to(tl.int32), axis=1)
+    b_bad = _count_nonfinite(p_row, keep, D, stride_xd, NC, BD)
     valid = keep & (b_bad == 0)
     b_cnt = tl.maximum(tl.sum(valid.to(tl.float32), axis=0), 1.0)
     for i_d in range(0, tl.cdiv(D, BD)):
