@@ -100,8 +100,10 @@ def test_key_rank_matches_hand_protocol(family, pad):
 def test_fp32_sv_path_exact_sv_false_matches_hand_protocol(backend):
     if backend == "triton":
         pytest.importorskip("triton")
-    model = build("llama")
-    inputs = batch(B=3, T=12, pad="left")
+    # Triton runs on CUDA tensors, and on CPU ones only under the interpreter (set without a GPU)
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    model = build("llama").to(device)
+    inputs = {k: v.to(device) for k, v in batch(B=3, T=12, pad="left").items()}
     got = _probe_values(fastspec.Probe(model, ffn=False, exact_sv=False, backend=backend).measure(inputs, step=0),
                         "keys", "participation_ratio")
     exact = _probe_values(fastspec.Probe(model, ffn=False).measure(inputs, step=0), "keys", "participation_ratio")

@@ -7,6 +7,11 @@ Design envelope
   ``D = 256`` and wide FFN widths (up to 16384) tile ``G`` into 128×128 blocks; only the upper
   triangle is computed (the lower is stored as its transpose) and a row-validity pre-pass reads
   x once more. Wide ``D`` is a GEMM (``N·D²`` flops over the triangle), not memory bound.
+* Symmetry: ``G`` is written exactly symmetric. Off-diagonal tiles are stored with their mirror;
+  diagonal tiles (the only ones at D <= 128) are averaged with their transpose before the
+  store, which absorbs the hi·lo vs lo·hi rounding of the split and any summation
+  order difference inside a dot. Cost: one BD×BD transpose (through shared memory) per
+  diagonal tile, instead of a D² pass over G in the launcher.
 * Inputs bf16/fp16/fp32 with arbitrary strides ``x: [B, T, S, D]`` (no ``.contiguous()``).
 * Products: bf16/fp16 rows go through tensor-core ``tl.dot`` with fp32 accumulation. Uncentered
   (``CENTER=False``, the ``sv`` key probe) products are exact. Centered rows ``d = x − c`` are
@@ -20,9 +25,12 @@ Design envelope
   processes would change the summation order), so equal inputs give bitwise equal sums.
 * No host sync: sizes come from shapes only; safe on the current stream inside forward hooks.
 * Block sizes (launcher ``_rows_and_warps``): the largest row blocks that ptxas fits in 255
-  registers without spilling on sm_90 (checked by compiling without a GPU): BD=128 fused:
-  32 rows, 8 warps; BD<=64: 32-64 rows, 4 warps; tiled: 64 rows, 8 warps; fp32: 16 rows.
+  registers without spilling in the row loop on sm_90 (Triton 3.9; checked by compiling without
+  a GPU): BD=128 fused: 32 rows, 8 warps; BD<=64: 32-64 rows, 4 warps; tiled: 64 rows, 8 warps;
+  fp32: 16 rows. With the diagonal-tile symmetrization the 16-bit BD=128 kernels spill a few
+  loop-invariant registers (<= 120 bytes per thread, stored before the loop, reloaded after it).
   The fp32 tiled kernel (FMA dot) still spills: fp32 input with D > 128 is outside the envelope.
+  Triton 3.6 spills inside the loop of the 16-bit tiled kernel (D > 128) too; not retuned.
 
 Byte/flop arithmetic (H100 SXM: ~3.35 TB/s HBM, ~990 TFLOP/s dense bf16; H200: 4.8 TB/s)
 -------------------------------------------------------------------------------------------
@@ -45,8 +53,17 @@ Byte/flop arithmetic (H100 SXM: ~3.35 TB/s HBM, ~990 TFLOP/s dense bf16; H200: 4
 """
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+from ._triton_compat import fix_interpreter_index
+
+# interpreter only (the CPU tests): Triton 3.6 cannot run runtime-bound range() loops with
+# numpy >= 2.4 (see _triton_compat). Read at import, as triton.jit and triton_update do.
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    fix_interpreter_index()
 
 
 @triton.jit
@@ -270,11 +287,16 @@ def _cov_partials_kernel(
     o_out = (i_k.to(tl.int64) * S + i_s) * D
     p_Gk = p_G + o_out * D
     m_G = m_m[:, None] & m_n[None, :]
+    if i_m == i_n:
+        # a diagonal tile is not bitwise symmetric by itself: the split's hi·lo and lo·hi dots
+        # round G[i, j] and G[j, i] differently, and a dot's (MMA, or the interpreter's BLAS)
+        # summation order may differ between the two. Averaging with the transpose is exact on
+        # the diagonal and makes G exactly symmetric (off-diagonal tiles store their mirror).
+        b_G = (b_G + tl.trans(b_G)) * 0.5
+        tl.store(p_s + o_out + o_m, b_sum, mask=m_m)
     tl.store(p_Gk + o_m[:, None].to(tl.int64) * D + o_n[None, :], b_G, mask=m_G)
     if i_m != i_n:
         tl.store(p_Gk + o_n[None, :].to(tl.int64) * D + o_m[:, None], b_G, mask=m_G)
-    else:
-        tl.store(p_s + o_out + o_m, b_sum, mask=m_m)
     if FUSED_STATUS:
         tl.store(p_n + i_k.to(tl.int64) * S + i_s, tl.sum(b_n, axis=0))
         tl.store(p_rej + i_k.to(tl.int64) * S + i_s, tl.sum(b_rej, axis=0))

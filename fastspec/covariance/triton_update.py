@@ -13,7 +13,9 @@ Per call, with no host sync (sizes come from shapes only) on the current CUDA st
 1. ``_center_kernel`` (center=True): ``c[S, D]``.
 2. ``_row_status_kernel`` (only when ``D`` > one tile): per-row valid/rejected flags ``[S, N]``.
 3. ``_cov_partials_kernel``: grid (tile pairs of G, site, row split) writes fp32 partials to a
-   workspace ``[SPLIT, S, D, D]``; the split axis is then summed by torch in a fixed order.
+   workspace ``[SPLIT, S, D, D]``, each exactly symmetric (upper-triangle tiles stored with their
+   mirror, diagonal tiles averaged with their transpose in-kernel); the split axis is then summed
+   by torch in a fixed order.
 """
 from __future__ import annotations
 
@@ -64,7 +66,8 @@ def _sm_count(index: int) -> int:
 
 
 def _rows_and_warps(BD: int, NTILE: int, elem_bytes: int) -> tuple[int, int]:
-    """Rows per block and warps: the largest blocks ptxas (sm_90, Triton 3.9) fits without spills.
+    """Rows per block and warps: the largest blocks ptxas (sm_90, Triton 3.9) fits without spills
+    in the row loop.
 
     Checked by compiling for sm_90 without a GPU and reading ``cuobjdump -res-usage``; fp32
     ``ieee`` dots run on the FMA units and are unrolled over the rows, hence short blocks (the
@@ -123,7 +126,8 @@ def covariance_partials_triton(x: Tensor, mask: Tensor | None = None, row_step: 
     Rows ``x[b, t]`` for ``t = 0, k, 2k, ...`` (``k = row_step``) with ``mask[b, t]`` true are
     kept; per site ``s`` a kept row is *valid* if its ``D`` values are finite, else *rejected*.
     Returns ``CovPartials(n [S] int64, c [S, D], s = Σ(x−c) [S, D], G = Σ(x−c)(x−c)ᵀ
-    [S, D, D], rejected [S] int64)`` over valid rows; fp32 sums, ``c = 0`` when not ``center``.
+    [S, D, D], rejected [S] int64)`` over valid rows; fp32 sums, ``c = 0`` when not ``center``,
+    ``G`` exactly symmetric.
     float64 input is delegated to the torch reference (the kernels accumulate in fp32).
     """
     _check(x, mask, row_step)
@@ -177,11 +181,9 @@ def covariance_partials_triton(x: Tensor, mask: Tensor | None = None, row_step: 
             NTILE=cfg.NTILE, BT=cfg.BT, BD=cfg.BD, num_warps=cfg.num_warps)
 
     # fixed-order reduction of the row splits (a plain dim reduction: no atomics)
+    # every split's G is exactly symmetric (the kernel symmetrizes diagonal tiles and mirrors
+    # the others), and an elementwise sum of symmetric matrices stays so: no G + Gᵀ pass here
     G = G_ws[0] if cfg.split == 1 else G_ws.sum(0)
-    if split_bf16:
-        # the hi·lo and lo·hi dots round G[i, j] and G[j, i] in different orders: average with
-        # the transpose so G is exactly symmetric (as the mirrored off-diagonal tiles are)
-        G = (G + G.mT) * 0.5
     s = s_ws[0] if cfg.split == 1 else s_ws.sum(0)
     if fused:
         n, rejected = cnt.sum(1, dtype=torch.int64).unbind(0)
