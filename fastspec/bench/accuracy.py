@@ -10,6 +10,7 @@ then the max over the batch. ``ratio`` = fastspec error / torch fp32 error; the 
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable
 
 import torch
@@ -106,9 +107,16 @@ def _variants(device: torch.device) -> list[str]:
     return out
 
 
-def compare(tier: str, device: torch.device, families: list[str] | None = None) -> list[dict]:
-    """One row per (family, n, fastspec variant): errors vs fp64 and their ratio."""
+def compare(tier: str, device: torch.device, families: list[str] | None = None, *,
+            deadline: float | None = None) -> list[dict]:
+    """One row per (family, n, fastspec variant): errors vs fp64 and their ratio.
+
+    ``deadline`` (``time.monotonic()``): no new (family, n) starts after it; those left get a
+    row with ``skipped`` naming the time cap.
+    """
     import fastspec
+
+    from .runner import CAP_REACHED
 
     sizes, batch = SIZES[tier]
     rows = []
@@ -116,6 +124,9 @@ def compare(tier: str, device: torch.device, families: list[str] | None = None) 
         if fam not in FAMILIES:
             raise ValueError(f"families: unknown family {fam!r}; expected some of {list(FAMILIES)}")
         for n in sizes:
+            if deadline is not None and time.monotonic() > deadline:
+                rows.append({"family": fam, "n": n, "batch": batch, "skipped": CAP_REACHED})
+                continue
             g = torch.Generator().manual_seed(n)
             A = FAMILIES[fam](batch, n, g).to(torch.float32).to(device)
             ref = torch.linalg.eigvalsh(A.double())

@@ -41,7 +41,11 @@ class Case:
         rate: ``(unit, seconds -> value)`` for throughput next to time (GB/s, µs/matrix), or None.
         fastspec_context: context manager entered around the fastspec timing (a probe's hooks).
         skip: reason the case cannot run here (unavailable backend or dependency), else None.
-        notes: ``{what: why}`` for baselines left out here (e.g. ``{"cupy": "not installed"}``).
+        notes: ``{what: why}`` for baselines left out here (e.g. ``{"cupy.linalg.eigvalsh": "cupy not installed"}``).
+        baseline_scale: ``{name: factor}`` for a baseline timed on a slice of the input because
+            it loops one call per item (``torch.linalg.eigvalsh`` on CUDA for n > 32): its
+            measured time is multiplied by ``factor`` (full batch / timed slice) and the row
+            records the factor.
     """
 
     suite: str
@@ -57,6 +61,7 @@ class Case:
         default=lambda inputs: contextlib.nullcontext())
     skip: str | None = None
     notes: dict[str, str] = field(default_factory=dict)
+    baseline_scale: dict[str, float] = field(default_factory=dict)
 
     @property
     def id(self) -> str:

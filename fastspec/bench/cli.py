@@ -9,12 +9,22 @@ prints one table headed by device, driver/CUDA, torch, triton and fastspec versi
     fastspec bench --json benchmarks/results/h100-2026-11-21.json
     fastspec bench --accuracy                   # same as `fastspec compare`
     fastspec bench --table                      # regenerate README's table from benchmarks/results
+    fastspec bench --time-limit 240 --json r.json   # stop cleanly after 240 s, keep what ran
+
+Time cap: with ``--time-limit`` no case starts after the limit, and SIGTERM (``timeout``'s
+signal) ends the case in flight; either way the cases not measured get ``skipped`` rows naming
+the cap, ``--json`` holds every row measured so far (it is rewritten after each case, so even a
+SIGKILL keeps the finished ones) and the exit status is 0 unless a case raised.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 
@@ -30,10 +40,48 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=None, help="timed calls per case (default 5, 3 with --quick)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's; 1 gives steadier CPU numbers on a shared machine)")
-    p.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON to PATH")
+    p.add_argument("--json", type=Path, metavar="PATH",
+                   help="also write the results as JSON to PATH (rewritten after every case)")
+    p.add_argument("--filter", action="append", metavar="TEXT",
+                   help="run only cases whose 'suite size variant' contains TEXT (repeatable: any)")
+    add_time_limit(p)
     p.add_argument("--accuracy", action="store_true", help="run the accuracy comparison only (fastspec compare)")
     p.add_argument("--table", action="store_true",
                    help="regenerate README.md's benchmark table from benchmarks/results/*.json and exit")
+
+
+def add_time_limit(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--time-limit", type=float, metavar="SECONDS",
+                   help="stop cleanly after SECONDS: no new case starts, the rest are recorded as skipped")
+
+
+def deadline_of(args: argparse.Namespace) -> float | None:
+    """``time.monotonic()`` deadline from ``--time-limit`` (None without one)."""
+    limit = getattr(args, "time_limit", None)
+    if limit is None:
+        return None
+    if not limit > 0:
+        raise ValueError(f"--time-limit: expected seconds > 0, got {limit}")
+    return time.monotonic() + limit
+
+
+@contextlib.contextmanager
+def sigterm_as_time_cap():
+    """SIGTERM raises :class:`~fastspec.bench.runner.TimeCap` inside the block (main thread only)."""
+    from .runner import TimeCap
+
+    def handler(signum, frame):
+        raise TimeCap("SIGTERM")
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: no handler, the deadline still applies
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def resolve(args: argparse.Namespace):
@@ -60,10 +108,21 @@ def print_header(env: dict, tier: str) -> None:
     print(f"# python {env['python']} · {env.get('cpu')} · {torch.get_num_threads()} torch threads · sizes: {tier}")
 
 
-def write_json(path: Path, doc: dict) -> None:
+def write_json(path: Path, doc: dict, *, quiet: bool = False) -> None:
+    """Write ``doc`` atomically (a reader, or a kill mid-write, never sees half a file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
-    print(f"wrote {path}")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+    if not quiet:
+        print(f"wrote {path}")
+
+
+def select(cases: list, filters: list[str] | None) -> list:
+    """Cases whose ``'suite size variant'`` contains any of ``filters`` (all without filters)."""
+    if not filters:
+        return cases
+    return [c for c in cases if any(f in f"{c.suite} {c.size} {c.variant}" for f in filters)]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,10 +138,11 @@ def run(args: argparse.Namespace) -> int:
         return run_compare(args)
 
     from .cases import SUITES, cases
-    from .runner import report, run_cases
+    from .runner import CAP_REACHED, TimeCap, capped, report, run_cases
     from .table import BENCH_COLUMNS, bench_cells, render_text
 
     device, tier = resolve(args)
+    deadline = deadline_of(args)
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads: expected an int >= 1, got {args.threads}")
@@ -91,12 +151,29 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     warmup = args.warmup if args.warmup is not None else (1 if tier == "quick" else 2)
     repeats = args.repeats if args.repeats is not None else (3 if tier == "quick" else 5)
-    selected = [c for s in (args.suite or SUITES) for c in cases(s, tier, device)]
+    selected = select([c for s in (args.suite or SUITES) for c in cases(s, tier, device)], args.filter)
+    if not selected:
+        raise ValueError(f"--filter: no case matches {args.filter}")
     doc = report("bench", tier, [])
     print_header(doc["environment"], tier)
-    doc["results"] = run_cases(selected, device, warmup=warmup, repeats=repeats,
-                               progress=lambda c: print(f"  {c.suite} {c.id} ...", file=sys.stderr, flush=True))
+
+    def save(rows: list[dict]) -> None:
+        doc["results"] = list(rows)
+        if args.json:
+            write_json(args.json, doc, quiet=True)
+
+    with sigterm_as_time_cap():
+        try:
+            run_cases(selected, device, warmup=warmup, repeats=repeats, deadline=deadline, on_rows=save,
+                      progress=lambda c: print(f"  {c.suite} {c.id} ...", file=sys.stderr, flush=True))
+        except TimeCap:  # between cases: the rows saved so far stand, the rest did not start
+            done = {(r["suite"], r["size"], r["variant"]) for r in doc["results"]}
+            save(doc["results"] + [{"suite": c.suite, "size": c.size, "variant": c.variant,
+                                    "skipped": CAP_REACHED} for c in selected
+                                   if (c.suite, c.size, c.variant) not in done])
     print(render_text(BENCH_COLUMNS, [bench_cells(r) for r in doc["results"]]))
     if args.json:
         write_json(args.json, doc)
+    if capped(doc["results"]):
+        print("time cap reached: partial results (cases not measured are marked skipped)", file=sys.stderr)
     return 1 if any("error" in r for r in doc["results"]) else 0

@@ -21,19 +21,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only this matrix family (repeatable; default: all)")
     p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON to PATH")
+    from .cli import add_time_limit
+
+    add_time_limit(p)
 
 
 def run(args: argparse.Namespace) -> int:
     from .accuracy import compare
-    from .cli import print_header, resolve, write_json
+    from .cli import deadline_of, print_header, resolve, write_json
     from .runner import report
     from .table import COMPARE_COLUMNS, compare_cells, render_text
 
     device, tier = resolve(args)
+    deadline = deadline_of(args)
     doc = report("compare", tier, [])
     print_header(doc["environment"], tier)
-    doc["results"] = compare(tier, device, getattr(args, "family", None))
+    doc["results"] = compare(tier, device, getattr(args, "family", None), deadline=deadline)
     print(render_text(COMPARE_COLUMNS, [compare_cells(r) for r in doc["results"]]))
     if args.json:
         write_json(args.json, doc)
-    return 0 if all(r.get("within_2x_torch") for r in doc["results"]) else 1
+    # a (family, n) the time cap left out is not a failure; everything that ran must hold
+    return 0 if all(r.get("within_2x_torch") for r in doc["results"] if "skipped" not in r) else 1

@@ -6,13 +6,16 @@ median seconds per call; ``speedup = baseline_s / fastspec_s``; ``rate_unit``,
 ``fastspec_error``/``baseline_error`` the accuracy side (plus case-specific fields such as
 ``pr_diff_vs_baseline``); ``overhead_pct`` for ``train_step``; ``torch_threads`` in the document.
 A case that cannot run here gives one row with ``skipped`` (the reason); one that raised gives
-``error`` (the exception) so one broken case does not hide the others.
+``error`` (the exception) so one broken case does not hide the others. A baseline timed on a
+slice of the input (see ``Case.baseline_scale``) has its time scaled to the full input and
+``baseline_scale`` in its row. Cases cut by a time cap get ``skipped`` rows that say so.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
 import math
+import time
 from datetime import datetime, timezone
 from typing import Callable
 
@@ -35,12 +38,29 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def run_case(case: Case, device: torch.device, *, warmup: int = 2, repeats: int = 5) -> list[dict]:
-    """Time ``case`` against each of its baselines and check its accuracy; rows as above."""
-    head = {"suite": case.suite, "size": case.size, "variant": case.variant}
+class TimeCap(BaseException):
+    """Raised (from a SIGTERM handler, or by the caller) when a run's time cap is reached.
+
+    A BaseException so that :func:`run_case`'s per-case ``except Exception`` does not report it
+    as the case's error: :func:`run_cases` turns it into ``skipped`` rows and returns."""
+
+
+CAP_REACHED = "time cap reached before this case started"
+CAP_DURING = "time cap reached while this case ran"
+
+
+def run_case(case: Case, device: torch.device, *, warmup: int = 2, repeats: int = 5,
+             deadline: float | None = None) -> list[dict]:
+    """Time ``case`` against each of its baselines and check its accuracy; rows as above.
+
+    ``deadline`` (``time.monotonic()``): past it, the timing loop stops after its first timed
+    round; each row's ``repeats`` says how many rounds were timed.
+    """
+    head = _head(case)
     if case.skip:
         return [{**head, "skipped": case.skip}]
     rows = []
+    inputs = None
     try:
         inputs = case.setup()
         errors = case.check(inputs)
@@ -48,22 +68,26 @@ def run_case(case: Case, device: torch.device, *, warmup: int = 2, repeats: int 
         fast, *slows = measure_interleaved(
             [lambda: case.fastspec(inputs)] + [lambda b=b: b(inputs) for b in case.baselines.values()],
             contexts=[lambda: case.fastspec_context(inputs)] + [contextlib.nullcontext] * len(names),
-            device=device, warmup=warmup, repeats=repeats)
+            device=device, warmup=warmup, repeats=repeats, deadline=deadline)
         for name, slow in zip(names, slows):
-            row = {**head, "baseline": name, "fastspec_s": fast.median, "baseline_s": slow.median,
-                   "speedup": slow.median / fast.median, "repeats": repeats,
+            scale = case.baseline_scale.get(name, 1.0)
+            base_s = slow.median * scale
+            row = {**head, "baseline": name, "fastspec_s": fast.median, "baseline_s": base_s,
+                   "speedup": base_s / fast.median, "repeats": fast.repeats,
                    "error_kind": case.error_kind,
                    "fastspec_error": _finite(errors.get("fastspec_error")),
                    "baseline_error": _finite(errors.get(f"{name}_error", errors.get("baseline_error")))}
+            if scale != 1.0:
+                row["baseline_scale"] = scale
             row.update({k: _finite(v) for k, v in errors.items()
                         if k not in ("fastspec_error", "baseline_error") and not k.endswith("_error")})
             if errors.get("fastspec_error") is not None and not math.isfinite(errors["fastspec_error"]):
                 row["error"] = f"fastspec {case.error_kind} is {errors['fastspec_error']}"
             if case.rate is not None:
                 unit, fn = case.rate
-                row.update(rate_unit=unit, fastspec_rate=fn(fast.median), baseline_rate=fn(slow.median))
+                row.update(rate_unit=unit, fastspec_rate=fn(fast.median), baseline_rate=fn(base_s))
             if case.suite == "train_step":
-                row["overhead_pct"] = (fast.median / slow.median - 1) * 100
+                row["overhead_pct"] = (fast.median / base_s - 1) * 100
             rows.append(row)
         for what, why in case.notes.items():
             rows.append({**head, "baseline": what, "skipped": why})
@@ -76,13 +100,43 @@ def run_case(case: Case, device: torch.device, *, warmup: int = 2, repeats: int 
 
 
 def run_cases(cases: list[Case], device: torch.device, *, warmup: int = 2, repeats: int = 5,
-              progress: Callable[[Case], None] | None = None) -> list[dict]:
-    rows = []
-    for case in cases:
+              progress: Callable[[Case], None] | None = None, deadline: float | None = None,
+              on_rows: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Run ``cases`` in order; ``on_rows(rows so far)`` after each (to write partial results).
+
+    Time cap: a case is not started once ``deadline`` (``time.monotonic()``) has passed, and a
+    :class:`TimeCap` raised while a case runs (the CLI's SIGTERM handler) ends the run. Either
+    way every case not measured gets a ``skipped`` row naming the cap, and the rows are returned
+    normally: a capped run is a partial result, not a failure.
+    """
+    rows: list[dict] = []
+    for i, case in enumerate(cases):
+        if deadline is not None and time.monotonic() > deadline:
+            rows.extend({**_head(c), "skipped": CAP_REACHED} for c in cases[i:])
+            break
         if progress is not None:
             progress(case)
-        rows.extend(run_case(case, device, warmup=warmup, repeats=repeats))
+        try:
+            rows.extend(run_case(case, device, warmup=warmup, repeats=repeats, deadline=deadline))
+        except TimeCap:
+            _free(device)
+            rows.append({**_head(case), "skipped": CAP_DURING})
+            rows.extend({**_head(c), "skipped": CAP_REACHED} for c in cases[i + 1:])
+            break
+        if on_rows is not None:
+            on_rows(rows)
+    if on_rows is not None:
+        on_rows(rows)
     return rows
+
+
+def _head(case: Case) -> dict:
+    return {"suite": case.suite, "size": case.size, "variant": case.variant}
+
+
+def capped(rows: list[dict]) -> bool:
+    """Whether some case of ``rows`` was cut by the time cap."""
+    return any(r.get("skipped") in (CAP_REACHED, CAP_DURING) for r in rows)
 
 
 def report(kind: str, tier: str, rows: list[dict]) -> dict:

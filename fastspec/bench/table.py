@@ -38,11 +38,15 @@ def bench_cells(row: dict) -> dict[str, str]:
     cells = {k: "" for k in BENCH_COLUMNS}
     cells.update(suite=row["suite"], size=row["size"], variant=row["variant"],
                  baseline=row.get("baseline", ""))
+    if row.get("layers") and row.get("layers_requested") and row["layers"] != row["layers_requested"]:
+        cells["size"] += f" (run with {row['layers']:g} layers to fit)"  # see the case's note row
     if "skipped" in row or ("error" in row and "fastspec_s" not in row):
         cells["fastspec"] = f"skipped: {row['skipped']}" if "skipped" in row else f"ERROR: {row['error']}"
         return cells
     cells.update({"fastspec": fmt_time(row["fastspec_s"]), "baseline time": fmt_time(row["baseline_s"]),
                   "speedup": f"{row['speedup']:.2f}×"})
+    if row.get("baseline_scale"):  # timed on a slice of the batch, scaled to the whole
+        cells["baseline time"] += f" (slice ×{row['baseline_scale']:g})"
     if "rate_unit" in row:
         cells["throughput"] = f"{row['fastspec_rate']:.3g} vs {row['baseline_rate']:.3g} {row['rate_unit']}"
     if "overhead_pct" in row:
@@ -59,7 +63,9 @@ def bench_cells(row: dict) -> dict[str, str]:
 
 
 def compare_cells(row: dict) -> dict[str, str]:
-    cells = {"family": row["family"], "n": str(row["n"]), "variant": row["variant"]}
+    cells = {"family": row["family"], "n": str(row["n"]), "variant": row.get("variant", "")}
+    if "skipped" in row:
+        return {**cells, "fastspec err": f"skipped: {row['skipped']}"}
     if "error" in row:
         return {**cells, "fastspec err": f"ERROR: {row['error']}"}
     return {**cells, "fastspec err": fmt_num(row["fastspec_error"]),
@@ -104,7 +110,7 @@ def compare_summary(doc: dict, name: str) -> str:
     """One line for a ``fastspec compare`` document: how many rows hold the bound, the worst."""
     from .accuracy import FLOOR_EPS
 
-    rows = doc["results"]
+    rows = [r for r in doc["results"] if "skipped" not in r]  # cut by a time cap: not run
     ok = sum(bool(r.get("within_2x_torch")) for r in rows)
     rated = [r for r in rows if r.get("ratio") is not None]
     worst = max(rated, key=lambda r: r["ratio"]) if rated else None
@@ -112,6 +118,8 @@ def compare_summary(doc: dict, name: str) -> str:
     line = (f"Accuracy (`fastspec compare`, {describe_environment(doc['environment'])}): {ok}/{len(rows)} "
             f"(family, n, solver) within 2× torch.linalg fp32 + {FLOOR_EPS}·eps vs fp64, over {len(families)} "
             f"matrix families ({', '.join(families)})")
+    if len(rows) < len(doc["results"]):
+        line += f"; {len(doc['results']) - len(rows)} not run (time cap)"
     if worst is not None:
         line += (f"; worst ratio to torch {worst['ratio']:.3g} ({worst['family']}, n={worst['n']}, "
                  f"{worst['variant']})")

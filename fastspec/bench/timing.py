@@ -56,11 +56,14 @@ def measure(fn: Callable[[], object], *, device: torch.device, warmup: int = 2,
 
 def measure_interleaved(fns: list[Callable[[], object]], *, device: torch.device, warmup: int = 2,
                         repeats: int = 5,
-                        contexts: list[Callable[[], ContextManager]] | None = None) -> list[Timing]:
+                        contexts: list[Callable[[], ContextManager]] | None = None,
+                        deadline: float | None = None) -> list[Timing]:
     """Time each of ``fns`` round-robin: every round calls each once, in order.
 
     ``contexts[i]()`` (if given) is entered around each call of ``fns[i]``, outside its timing
     (e.g. a probe's hooks that must be off while the baseline runs).
+    ``deadline`` (a ``time.monotonic()`` value): once it has passed, stop after the current
+    round as soon as one timed round is done; ``Timing.repeats`` says how many were.
     """
     _check(warmup, repeats)
     contexts = contexts or [contextlib.nullcontext] * len(fns)
@@ -71,4 +74,6 @@ def measure_interleaved(fns: list[Callable[[], object]], *, device: torch.device
                 t = time_once(fn, device)
             if r >= warmup:
                 out.append(t)
-    return [Timing(statistics.median(t), min(t), repeats) for t in times]
+        if deadline is not None and times[0] and time.monotonic() > deadline:
+            break
+    return [Timing(statistics.median(t), min(t), len(t)) for t in times]
