@@ -1,21 +1,68 @@
-"""eigvalsh suite: batches of symmetric fp32 matrices, fastspec vs torch.linalg (vs CuPy on CUDA).
+"""eigvalsh suite: batches of symmetric matrices, fastspec vs torch.linalg and the external anchors.
 
 Inputs are Gram matrices with a power-law spectrum, the shape of real per-head activation
-covariances: ``A = XᵀX / m`` with ``X: [B, 2n, n]`` whose columns are scaled by ``k^(−0.75)``.
-Error: per matrix ``max_i |λ_i − λ_i^fp64| / max_i |λ_i^fp64|``, then the max over the batch.
+covariances: ``A = XᵀX / m`` with ``X: [B, 2n, n]`` whose columns are scaled by ``k^(−0.75)``,
+built in fp64 and rounded to the case's dtype (fp32, or fp64 for the ``-fp64`` sizes).
+
+Baselines: ``torch.linalg.eigvalsh`` always, plus each anchor of :mod:`fastspec.bench.anchors`
+that is available here (cuSOLVER ``cusolverDnXsyevBatched``, ``jax.numpy.linalg.eigvalsh``,
+``cupy.linalg.eigvalsh``); an unavailable one gets a ``skipped`` row with its reason. On CPU the
+CUDA-only anchors (cuSOLVER, CuPy) are left out without a row: there is nothing to explain.
+
+Timing: every solver runs the whole batch, except ``torch.linalg.eigvalsh`` on CUDA for n > 32,
+which loops one cuSOLVER ``syevj``/``syevd`` call per matrix (ATen's ``linalg_eigh_cusolver``;
+only n <= 32 takes the batched ``syevjBatched``/``XsyevBatched`` path): it is timed on the first
+:data:`TORCH_SLICE` matrices and its time multiplied by ``B / slice`` (``Case.baseline_scale``),
+which a per-matrix loop makes exact up to launch overhead, and which saves tens of seconds per
+timed call at B = 16384 (a millisecond or two per matrix). On CPU it runs the whole batch: LAPACK is looped per matrix there too, but the CPU
+tiers' batches are small enough. The anchors are batched (JAX >= 0.7.2 solves n > 32 with
+``XsyevBatched``, eigenvectors included, on cuSOLVER >= 11.7.1; CuPy uses ``syevjBatched``), so
+slicing them would understate their throughput; the slowest expected, CuPy's Jacobi at
+B = 4096, n = 256, is ~2 s per call (the published 57.8 µs/matrix at n = 128 on H100, × n³).
+
+Error: per matrix ``max_i |λ_i − λ_i^ref| / max_i |λ_i^ref|``, then the max over the first
+:data:`REF_MATRICES` matrices (all of them when the batch is no larger), for every solver on the
+same matrices: the outputs of its timed (full-batch) call, or for the sliced torch baseline a
+call on those matrices. The reference, computed once per case setup: for fp32 inputs
+``torch.linalg.eigvalsh`` in fp64 of the same rounded matrices on the case's device (cuSOLVER
+fp64 on CUDA, LAPACK on CPU); for fp64 inputs LAPACK fp64 through torch on CPU, the same
+precision as the input, so the numbers say how far each solver is from LAPACK (on CPU torch's
+fp64 path *is* that LAPACK call, and its error is 0). On CUDA the fp64 reference loops per matrix
+(~1 ms each): the subset keeps it under a second or two.
 Rate: µs per matrix.
 """
 from __future__ import annotations
 
 import torch
 
+from .anchors import make_anchors
 from .cases import Case, Inputs, max_rel_err
 
-SIZES = {  # (batch, n)
-    "quick": [(16, 32), (4, 64)],
-    "cpu": [(256, 64), (64, 128), (16, 256)],
-    "gpu": [(4096, 64), (256, 128), (4096, 128), (16384, 128), (4096, 256)],
+SIZES = {  # (batch, n, dtype)
+    "quick": [(16, 32, torch.float32), (4, 64, torch.float32), (8, 32, torch.float64)],
+    "cpu": [(256, 64, torch.float32), (64, 128, torch.float32), (16, 256, torch.float32),
+            (64, 128, torch.float64)],
+    "gpu": [(4096, 64, torch.float32), (256, 128, torch.float32), (4096, 128, torch.float32),
+            (16384, 128, torch.float32), (4096, 256, torch.float32), (4096, 128, torch.float64)],
 }
+DTYPE_NAMES = {torch.float32: "fp32", torch.float64: "fp64"}
+
+TORCH_SLICE = 256     # matrices the per-matrix-looping torch baseline is timed on (CUDA, n > 32)
+REF_MATRICES = 512    # matrices the fp64 reference, and so every error, covers
+TORCH = "torch.linalg.eigvalsh"
+CUDA_ONLY = ("cusolverDnXsyevBatched", "cupy.linalg.eigvalsh")
+
+
+def torch_slice(batch: int, n: int, device: torch.device) -> int:
+    """How many of ``batch`` matrices ``torch.linalg.eigvalsh`` is timed on (module docstring)."""
+    if torch.device(device).type == "cuda" and n > 32:
+        return min(batch, TORCH_SLICE)
+    return batch
+
+
+def ref_count(batch: int) -> int:
+    """How many leading matrices the reference and the errors cover."""
+    return min(batch, REF_MATRICES)
 
 
 def powerlaw_gram(batch: int, n: int, device: torch.device, dtype=torch.float32,
@@ -35,6 +82,19 @@ def powerlaw_gram(batch: int, n: int, device: torch.device, dtype=torch.float32,
     return A
 
 
+def reference(A: torch.Tensor) -> torch.Tensor:
+    """fp64 eigenvalues ``[b, n]`` of ``A: [b, n, n]`` on ``A``'s device (module docstring)."""
+    if A.dtype == torch.float64:
+        return torch.linalg.eigvalsh(A.cpu()).to(A.device)
+    return torch.linalg.eigvalsh(A.double())
+
+
+def error_kind(batch: int, dtype: torch.dtype) -> str:
+    kind = "max rel err vs LAPACK fp64 (same precision)" if dtype == torch.float64 else "max rel err vs fp64"
+    count = ref_count(batch)
+    return kind if count == batch else f"{kind}, first {count} of {batch} matrices"
+
+
 def _variants(device: torch.device) -> list[tuple[str, str | None]]:
     """``auto`` plus every other available solver that can run on ``device`` (name, skip)."""
     import fastspec
@@ -47,6 +107,8 @@ def _variants(device: torch.device) -> list[tuple[str, str | None]]:
             out.append((name, f"eigvalsh backend {name!r} unavailable: {info.get('reason')}"))
         elif name == "cuda" and device.type != "cuda":
             out.append((name, "the 'cuda' solver needs a CUDA device"))
+        elif name == "cuda":  # timing it twice would only halve what fits in a GPU run's time cap
+            out.append((name, "on CUDA 'auto' is this solver for n <= 256: timed as 'auto'"))
         elif name == "host" and device.type == "cuda":
             out.append((name, "the 'host' solver is timed on CPU tensors (cpu tiers)"))
         else:
@@ -54,50 +116,58 @@ def _variants(device: torch.device) -> list[tuple[str, str | None]]:
     return out
 
 
-def _cupy_eigvalsh():
-    try:
-        import cupy
-    except ImportError:
-        return None
-
-    def run(inp: Inputs) -> torch.Tensor:
-        return torch.from_dlpack(cupy.linalg.eigvalsh(cupy.from_dlpack(inp["A"])))
-    return run
+def _anchor_call(name: str, fn):
+    """The timed call: the ctypes cuSOLVER wrapper skips its ``info`` read-back (a device sync)
+    there; the accuracy check calls ``fn`` directly, which reads it and raises on a failure."""
+    if name == "cusolverDnXsyevBatched":
+        return lambda inp: fn(inp["A"], check_info=False)
+    return lambda inp: fn(inp["A"])
 
 
 def eigvalsh_cases(tier: str, device: torch.device) -> list[Case]:
+    """Every (size, fastspec variant) of ``tier`` on ``device``; inputs ``A: [B, n, n]``, outputs
+    ``[B, n]``; baselines, slices and errors as in the module docstring."""
     import fastspec
 
-    baselines = {"torch.linalg.eigvalsh": lambda inp: torch.linalg.eigvalsh(inp["A"])}
-    cupy_note = None
-    if device.type == "cuda":
-        cupy_run = _cupy_eigvalsh()
-        if cupy_run is None:
-            cupy_note = "cupy not installed"
-        else:
-            baselines["cupy.linalg.eigvalsh"] = cupy_run
+    anchors = make_anchors(device)
+    available = {name: fn for name, fn in anchors.items() if not isinstance(fn, str)}
+    notes = {name: why for name, why in anchors.items()
+             if isinstance(why, str) and not (device.type != "cuda" and name in CUDA_ONLY)}
 
     out = []
-    for batch, n in SIZES[tier]:
-        for variant, skip in _variants(device):
-            def setup(batch=batch, n=n) -> Inputs:
-                A = powerlaw_gram(batch, n, device)
-                return {"A": A, "ref": torch.linalg.eigvalsh(A.double())}
+    for batch, n, dtype in SIZES[tier]:
+        sliced = torch_slice(batch, n, device)
+        refs = ref_count(batch)
+        baselines = {TORCH: lambda inp: torch.linalg.eigvalsh(inp["A_torch"])}
+        baselines.update({name: _anchor_call(name, fn) for name, fn in available.items()})
+        scale = {TORCH: batch / sliced} if sliced < batch else {}
 
+        def setup(batch=batch, n=n, dtype=dtype, sliced=sliced, refs=refs) -> Inputs:
+            A = powerlaw_gram(batch, n, device, dtype)
+            # leading slices of a contiguous batch are contiguous views: no copy, and nothing
+            # left to do inside the timed call
+            return {"A": A, "A_torch": A[:sliced], "A_ref": A[:refs], "ref": reference(A[:refs])}
+
+        for variant, skip in _variants(device):
             def run(inp: Inputs, variant=variant) -> torch.Tensor:
                 return fastspec.eigvalsh(inp["A"], backend=variant)
 
-            def check(inp: Inputs, run=run) -> dict:
-                errs = {"fastspec_error": max_rel_err(run(inp), inp["ref"])}
-                for name, base in baselines.items():
-                    errs[f"{name}_error"] = max_rel_err(base(inp), inp["ref"])
-                errs["baseline_error"] = errs["torch.linalg.eigvalsh_error"]
+            def check(inp: Inputs, run=run, refs=refs, whole=sliced == batch) -> dict:
+                ref = inp["ref"]
+                # torch timed on a slice: solve the reference matrices themselves (it loops per
+                # matrix, so that is what its timed call does to each of them)
+                torch_out = torch.linalg.eigvalsh(inp["A"] if whole else inp["A_ref"])[:refs]
+                errs = {"fastspec_error": max_rel_err(run(inp)[:refs], ref),
+                        f"{TORCH}_error": max_rel_err(torch_out, ref)}
+                for name, fn in available.items():
+                    errs[f"{name}_error"] = max_rel_err(fn(inp["A"])[:refs], ref)
+                errs["baseline_error"] = errs[f"{TORCH}_error"]
                 return errs
 
             out.append(Case(
-                suite="eigvalsh", size=f"B{batch}-n{n}-fp32", variant=variant, setup=setup,
-                fastspec=run, baselines=dict(baselines), check=check,
-                error_kind="max rel err vs fp64",
+                suite="eigvalsh", size=f"B{batch}-n{n}-{DTYPE_NAMES[dtype]}", variant=variant,
+                setup=setup, fastspec=run, baselines=dict(baselines), check=check,
+                error_kind=error_kind(batch, dtype),
                 rate=("µs/matrix", lambda s, batch=batch: s / batch * 1e6),
-                skip=skip, notes={"cupy": cupy_note} if cupy_note else {}))
+                skip=skip, notes=dict(notes), baseline_scale=dict(scale)))
     return out
