@@ -1,0 +1,131 @@
+"""Last step of ``benchmarks/gpu_run.sh``: one ``bench.json`` and a summary that fits a terminal.
+
+    python benchmarks/gpu_summary.py OUT_DIR [--tier quick] [--part all] [--dry-run 0] [--failed "a b"]
+
+* Merges ``OUT_DIR/bench-<suite>.json`` (one ``fastspec bench --json`` document per suite, each
+  written as its step ran) into ``OUT_DIR/bench.json``: the same schema as
+  ``benchmarks/results/*.json`` (``schema``, ``kind``, ``tier``, ``date``, ``environment``,
+  ``results``) plus ``gpu_run`` (tier, part, dry run, failed steps, suites merged). The per-suite
+  files are removed once merged (only a few files come back from a GPU machine); a
+  ``bench.json`` already there (an earlier part of the same run) is merged too.
+* Prints one line per result row (times, speedup, throughput, errors, or why it was skipped),
+  the accuracy summary of ``compare.json`` and pytest's closing line from ``tests.txt``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from fastspec.bench.table import fmt_time
+
+SUITE_ORDER = ("eigvalsh", "covariance", "keyrank", "train_step")
+
+
+def _load(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        print(f"gpu_summary: cannot read {path.name}: {e}", file=sys.stderr)
+        return None
+
+
+def merge(out: Path, meta: dict) -> dict | None:
+    """``bench.json`` from the per-suite files (and an earlier ``bench.json``), or None if none."""
+    parts = sorted(out.glob("bench-*.json"), key=lambda p: (
+        SUITE_ORDER.index(p.stem[6:]) if p.stem[6:] in SUITE_ORDER else len(SUITE_ORDER), p.name))
+    docs = [(p, d) for p in parts if (d := _load(p)) is not None]
+    merged_path = out / "bench.json"
+    earlier = _load(merged_path) if merged_path.exists() else None
+    if not docs and earlier is None:
+        return None
+    base = dict(earlier if earlier is not None else docs[0][1])
+    suites_now = {r["suite"] for _, d in docs for r in d["results"]}
+    # rows of a suite measured again replace the earlier ones (a repeated part), others stay
+    results = [r for r in (earlier or {}).get("results", []) if r["suite"] not in suites_now]
+    for _, d in docs:
+        results += d["results"]
+    if docs:
+        newest = docs[-1][1]
+        base.update(date=newest["date"], environment=newest["environment"], tier=newest["tier"],
+                    torch_threads=newest["torch_threads"])
+    runs = list((earlier or {}).get("gpu_run", {}).get("runs", []))
+    runs.append({**meta, "suites": sorted(suites_now)})
+    base["results"] = results
+    base["gpu_run"] = {"runs": runs}
+    tmp = merged_path.with_name("bench.json.tmp")
+    tmp.write_text(json.dumps(base, indent=1, ensure_ascii=False) + "\n")
+    os.replace(tmp, merged_path)
+    for p, _ in docs:
+        p.unlink()
+    return base
+
+
+def _e(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2g}"
+
+
+def row_line(r: dict) -> str:
+    head = f"{r['suite']:<10} {r['size']:<34} {r['variant']:<14} {r.get('baseline', ''):<28}"
+    if "skipped" in r:
+        return f"{head} skipped: {r['skipped']}"
+    if "fastspec_s" not in r:
+        return f"{head} ERROR: {r.get('error')}"
+    line = f"{head} {fmt_time(r['fastspec_s']):>9} vs {fmt_time(r['baseline_s']):>9}"
+    if r.get("baseline_scale"):
+        line += f" (slice x{r['baseline_scale']:g})"
+    line += f"  {r['speedup']:.2f}x"
+    if "overhead_pct" in r:
+        line += f"  overhead {r['overhead_pct']:+.1f}%"
+    elif "rate_unit" in r:
+        line += f"  {r['fastspec_rate']:.3g} vs {r['baseline_rate']:.3g} {r['rate_unit']}"
+    line += f"  err {_e(r.get('fastspec_error'))} (baseline {_e(r.get('baseline_error'))})"
+    if "error" in r:
+        line += f"  ERROR: {r['error']}"
+    return line
+
+
+def summary(out: Path, bench: dict | None) -> list[str]:
+    lines = ["", "===== summary"]
+    if bench is not None:
+        env = bench["environment"]
+        lines.append(f"{env.get('device')} · driver {env.get('driver')} · CUDA {env.get('cuda')} · torch "
+                     f"{env.get('torch')} · triton {env.get('triton')} · fastspec {env.get('fastspec')}")
+        lines += [row_line(r) for r in bench["results"]]
+    else:
+        lines.append("no bench results")
+    comp = out / "compare.json"
+    if comp.exists() and (doc := _load(comp)) is not None:
+        rows = [r for r in doc["results"] if "skipped" not in r]
+        ok = sum(bool(r.get("within_2x_torch")) for r in rows)
+        bad = [f"{r['family']} n={r['n']} {r.get('variant')}" for r in rows if not r.get("within_2x_torch")]
+        lines.append(f"compare: {ok}/{len(rows)} within 2x torch fp32 vs fp64"
+                     + (f"; {len(doc['results']) - len(rows)} not run (time cap)" if len(rows) < len(doc["results"]) else "")
+                     + (f"; NOT within: {', '.join(bad)}" if bad else ""))
+    tests = out / "tests.txt"
+    if tests.exists():
+        closing = [ln for ln in tests.read_text().splitlines()
+                   if " passed" in ln or " failed" in ln or " skipped" in ln or "error" in ln.lower()]
+        lines += [f"tests: {ln.strip('= ')}" for ln in closing if ln.startswith("=") or ln[:1].isdigit()]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("--tier", default="quick")
+    p.add_argument("--part", default="all")
+    p.add_argument("--dry-run", default="0")
+    p.add_argument("--failed", default="")
+    args = p.parse_args(argv)
+    meta = {"kit": "benchmarks/gpu_run.sh", "tier": args.tier, "part": args.part,
+            "dry_run": args.dry_run == "1", "failed_steps": args.failed.split()}
+    bench = merge(args.out, meta)
+    print("\n".join(summary(args.out, bench)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
