@@ -16,12 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
 from fastspec.bench.table import fmt_time
 
 SUITE_ORDER = ("eigvalsh", "covariance", "keyrank", "train_step")
+PYTEST_CLOSING = re.compile(r"^=*\s*(\d+ (passed|failed|skipped|deselected|errors?)\b|no tests ran)")
 
 
 def _load(path: Path) -> dict | None:
@@ -105,10 +107,8 @@ def summary(out: Path, bench: dict | None) -> list[str]:
                      + (f"; {len(doc['results']) - len(rows)} not run (time cap)" if len(rows) < len(doc["results"]) else "")
                      + (f"; NOT within: {', '.join(bad)}" if bad else ""))
     tests = out / "tests.txt"
-    if tests.exists():
-        closing = [ln for ln in tests.read_text().splitlines()
-                   if " passed" in ln or " failed" in ln or " skipped" in ln or "error" in ln.lower()]
-        lines += [f"tests: {ln.strip('= ')}" for ln in closing if ln.startswith("=") or ln[:1].isdigit()]
+    if tests.exists():  # pytest's closing line of each tests step
+        lines += [f"tests: {ln.strip('= ')}" for ln in tests.read_text().splitlines() if PYTEST_CLOSING.match(ln)]
     return lines
 
 

@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         return run_compare(args)
 
     from .cases import SUITES, cases
-    from .runner import CAP_REACHED, TimeCap, capped, report, run_cases
+    from .runner import capped, report, run_cases
     from .table import BENCH_COLUMNS, bench_cells, render_text
 
     device, tier = resolve(args)
@@ -163,14 +163,9 @@ def run(args: argparse.Namespace) -> int:
             write_json(args.json, doc, quiet=True)
 
     with sigterm_as_time_cap():
-        try:
-            run_cases(selected, device, warmup=warmup, repeats=repeats, deadline=deadline, on_rows=save,
-                      progress=lambda c: print(f"  {c.suite} {c.id} ...", file=sys.stderr, flush=True))
-        except TimeCap:  # between cases: the rows saved so far stand, the rest did not start
-            done = {(r["suite"], r["size"], r["variant"]) for r in doc["results"]}
-            save(doc["results"] + [{"suite": c.suite, "size": c.size, "variant": c.variant,
-                                    "skipped": CAP_REACHED} for c in selected
-                                   if (c.suite, c.size, c.variant) not in done])
+        doc["results"] = run_cases(
+            selected, device, warmup=warmup, repeats=repeats, deadline=deadline, on_rows=save,
+            progress=lambda c: print(f"  {c.suite} {c.id} ...", file=sys.stderr, flush=True))
     print(render_text(BENCH_COLUMNS, [bench_cells(r) for r in doc["results"]]))
     if args.json:
         write_json(args.json, doc)

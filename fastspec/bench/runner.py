@@ -105,27 +105,31 @@ def run_cases(cases: list[Case], device: torch.device, *, warmup: int = 2, repea
     """Run ``cases`` in order; ``on_rows(rows so far)`` after each (to write partial results).
 
     Time cap: a case is not started once ``deadline`` (``time.monotonic()``) has passed, and a
-    :class:`TimeCap` raised while a case runs (the CLI's SIGTERM handler) ends the run. Either
-    way every case not measured gets a ``skipped`` row naming the cap, and the rows are returned
-    normally: a capped run is a partial result, not a failure.
+    :class:`TimeCap` raised during the run (the CLI's SIGTERM handler; in a case, its progress
+    line or ``on_rows``) ends it. Either way every case not measured gets a ``skipped`` row
+    naming the cap, and the rows are returned normally: a capped run is a partial result, not a
+    failure.
     """
     rows: list[dict] = []
-    for i, case in enumerate(cases):
-        if deadline is not None and time.monotonic() > deadline:
-            rows.extend({**_head(c), "skipped": CAP_REACHED} for c in cases[i:])
-            break
-        if progress is not None:
-            progress(case)
-        try:
+    done = 0  # cases whose rows are in ``rows``
+    try:
+        for case in cases:
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            if progress is not None:
+                progress(case)
             rows.extend(run_case(case, device, warmup=warmup, repeats=repeats, deadline=deadline))
-        except TimeCap:
-            _free(device)
-            rows.append({**_head(case), "skipped": CAP_DURING})
-            rows.extend({**_head(c), "skipped": CAP_REACHED} for c in cases[i + 1:])
-            break
-        if on_rows is not None:
-            on_rows(rows)
-    if on_rows is not None:
+            done += 1
+            if on_rows is not None:
+                on_rows(rows)
+    except TimeCap:
+        _free(device)
+        if done < len(cases):
+            rows.append({**_head(cases[done]), "skipped": CAP_DURING})
+            done += 1
+    if done < len(cases):
+        rows.extend({**_head(c), "skipped": CAP_REACHED} for c in cases[done:])
+    if on_rows is not None and capped(rows):
         on_rows(rows)
     return rows
 
