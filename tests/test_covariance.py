@@ -144,8 +144,10 @@ def test_low_precision_inputs_accumulate_in_fp32_or_better():
         xd = x64.to(dt)
         got = fastspec.Covariance((2, 16)).update(xd).covariance()
         exact = fastspec.Covariance((2, 16)).update(xd.double()).covariance()  # same rounded inputs
-        assert rel_err(got, exact) < 1e-6, dt
-        assert rel_err(got, ref) < (1e-6 if dt == torch.float32 else 2e-2)
+        # float32 sums of 256 products (bf16/fp16 products are exact, so this is all summation
+        # error): ~sqrt(N)·eps32 = 1e-6 typical; 4x that as the bound
+        assert rel_err(got, exact) < 4 * 256 ** 0.5 * 2.0 ** -24 * 2, dt
+        assert rel_err(got, ref) < (4e-6 if dt == torch.float32 else 2e-2)
 
 
 def test_float64_input_keeps_float64_precision():

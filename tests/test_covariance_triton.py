@@ -20,7 +20,6 @@ import torch
 pytest.importorskip("triton")
 
 import fastspec  # noqa: E402
-from fastspec.covariance import dispatch  # noqa: E402
 from fastspec.covariance import triton_update as tu  # noqa: E402
 from fastspec.covariance.reference import covariance_partials_reference as reference  # noqa: E402
 from fastspec.covariance.triton_update import covariance_partials_triton as kernel  # noqa: E402
@@ -304,13 +303,17 @@ def test_row_splits_agree():
 
 
 # --------------------------------------------------------------------- dispatch and errors
-def test_auto_selects_triton_on_cuda_and_torch_elsewhere():
+def test_auto_selects_triton_on_cuda_and_torch_elsewhere(monkeypatch):
+    from fastspec.covariance import policy
+
     cpu = torch.zeros(1)
-    assert dispatch.select_partials("auto", cpu) is reference
-    assert dispatch.select_partials("torch", cpu) is reference
-    assert dispatch.select_partials("triton", cpu) is kernel
-    # select_partials looks only at .is_cuda; a stand-in lets the CPU suite check the CUDA branch
-    assert dispatch.select_partials("auto", types.SimpleNamespace(is_cuda=True)) is kernel
+    assert policy.update_plan("auto", "auto", True, cpu).backend == "torch"
+    assert policy.update_plan("auto", "triton", True, cpu).backend == "triton"
+    assert policy.update_plan("auto", "triton", False, cpu) == (torch.float32, "triton")  # explicit triton: fp32
+    # update_plan looks only at .is_cuda/.dtype/.device; a stand-in lets the CPU suite check the CUDA branch
+    monkeypatch.setattr(policy, "full_rate_fp64", lambda device: False)
+    cuda = types.SimpleNamespace(is_cuda=True, dtype=torch.float16, device=torch.device("cuda"))
+    assert policy.update_plan("auto", "auto", False, cuda).backend == "triton"
 
 
 def test_triton_backend_reaches_the_kernel(monkeypatch):

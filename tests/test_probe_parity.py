@@ -97,14 +97,14 @@ def test_key_rank_matches_hand_protocol(family, pad):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_fp32_sv_path_exact_sv_false_matches_hand_protocol(backend):
+def test_fast_precision_sv_path_matches_hand_protocol(backend):
     if backend == "triton":
         pytest.importorskip("triton")
     # Triton runs on CUDA tensors, and on CPU ones only under the interpreter (set without a GPU)
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     model = build("llama").to(device)
     inputs = {k: v.to(device) for k, v in batch(B=3, T=12, pad="left").items()}
-    got = _probe_values(fastspec.Probe(model, ffn=False, exact_sv=False, backend=backend).measure(inputs, step=0),
+    got = _probe_values(fastspec.Probe(model, ffn=False, precision="fast", backend=backend).measure(inputs, step=0),
                         "keys", "participation_ratio")
     exact = _probe_values(fastspec.Probe(model, ffn=False).measure(inputs, step=0), "keys", "participation_ratio")
     assert got != exact  # the FP32 partials of `backend`, not the float64 torch path

@@ -1,5 +1,5 @@
-"""Streaming covariance of activations: accumulator, torch reference and kernels (SPEC.md §1)."""
-from .accumulator import Covariance
+"""Streaming covariance of activations: accumulator, precision policy, torch paths and kernels."""
+from .accumulator import Covariance, spectra
 from .reference import CovPartials, covariance_partials_reference
 
-__all__ = ["Covariance", "CovPartials", "covariance_partials_reference"]
+__all__ = ["Covariance", "CovPartials", "covariance_partials_reference", "spectra"]

@@ -1,6 +1,7 @@
-"""``fastspec.Covariance``: streaming per-site accumulator of ``n, Σx, Σxxᵀ`` (SPEC.md §1).
+"""``fastspec.Covariance``: streaming per-site accumulator of ``n, Σx, Σxxᵀ``.
 
-State per site, on the device of the data, with no host sync on :meth:`Covariance.update`:
+State per site, on the device of the data, with no host sync on :meth:`Covariance.update`
+(CUDA; on CPU a finite-block check reads one flag per block):
 
     n        [*sites]         int64   rows merged
     mean     [*sites, D]      float64 running mean (track_mean=True)
@@ -9,11 +10,12 @@ State per site, on the device of the data, with no host sync on :meth:`Covarianc
     sum      [*sites, D]      float64 raw Σx (track_mean=False)
     rejected [*sites]         int64   rows refused because they held NaN/Inf
 
-Each update is reduced to FP32 partials centered on the chunk mean (a Triton kernel on CUDA,
-plain torch elsewhere) and merged into the float64 totals with Chan's parallel-variance
-correction. Centering per chunk keeps large-mean channels accurate; float64 totals and int64
-counts keep long streams from stalling (an FP32 running sum stops moving after ~2^24 similar
-additions). Memory is O(sites·D²): 8 bytes per entry of each D×D matrix.
+Each update is reduced to sums about a per-update shift ``c`` (centred accumulators) or about 0
+(raw sums), with float32 or float64 products as ``policy.py`` decides (``precision=``), and
+merged into the float64 totals in place: raw sums are added; centred ones with Chan's
+parallel-variance correction, ``m2 += G − s sᵀ/n_b + δδᵀ·n_a n_b/n`` (``δ`` = difference of
+the means), exact for any shift. Float64 totals and int64 counts keep long streams from stalling
+(a float32 running sum stops moving after ~2^24 similar additions). Memory is O(sites·D²).
 
 NaN/Inf: a row whose D values are not all finite is *not* merged for that site; it is counted
 in ``rejected`` (and reported in :meth:`Covariance.metrics`). :meth:`check_finite` raises if any
@@ -28,8 +30,8 @@ import torch
 from torch import Tensor
 
 from ..metrics import SpectrumMetrics, summarize
-from .dispatch import check_backend, select_partials
-from .reference import CovPartials
+from . import blocked
+from .policy import check_backend, check_precision, solve_dtype, update_plan
 
 CONVENTIONS = ("eig", "sv")
 
@@ -39,6 +41,33 @@ def _shape_arg(dim: Any) -> tuple[int, ...]:
     if not shape or any(not isinstance(d, int) or isinstance(d, bool) or d < 1 for d in shape):
         raise ValueError(f"dim: expected D or a tuple (*sites, D) of positive ints, got {dim!r}")
     return shape
+
+
+def _check_convention(convention: str) -> None:
+    if convention not in CONVENTIONS:
+        raise ValueError(f"convention: expected one of {CONVENTIONS}, got {convention!r}")
+
+
+def spectra(mat: Tensor, convention: str, *, dtype: torch.dtype | None = None) -> Tensor:
+    """Descending spectra ``[..., D]`` of a batch of matrices ``mat: [..., D, D]`` (one eigensolve).
+
+    ``mat`` holds covariances (``eig``: eigenvalues) or Gram matrices (``sv``: ``sqrt`` of the
+    eigenvalues); ``dtype`` as in :meth:`Covariance.spectrum`. A matrix with a NaN/Inf entry (an
+    undefined site) gets an all-NaN spectrum without disturbing the others.
+    """
+    from ..eig import eigvalsh
+
+    _check_convention(convention)
+    if dtype is None:
+        dtype = solve_dtype(convention, mat.device)
+    mat = mat.to(dtype)
+    # torch.linalg raises on NaN (and would sync to find out): solve a zero stand-in instead
+    # and mark those sites NaN, so one empty site never hides its neighbours' spectra.
+    undefined = ~torch.isfinite(mat).all(-1).all(-1)
+    mat = torch.where(undefined[..., None, None], 0, mat)
+    lam = eigvalsh(mat).flip(-1).clamp_min(0)
+    lam = torch.where(undefined[..., None], float("nan"), lam)
+    return lam.sqrt() if convention == "sv" else lam
 
 
 def _as_bt(x: Tensor, lead: int, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
@@ -64,8 +93,12 @@ class Covariance:
         track_mean: keep the centered covariance (needed by the ``eig`` convention). With
             ``False`` only raw ``Σx``/``Σxxᵀ`` are kept (the ``sv`` convention), and the update
             skips centering.
-        backend: ``"auto"`` (Triton on CUDA tensors when available, torch elsewhere),
-            ``"torch"`` or ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``).
+        backend: ``"auto"`` (Triton for float32 products of CUDA tensors when available, the
+            blocked torch path elsewhere), ``"torch"`` or ``"triton"`` (on CPU only under
+            ``TRITON_INTERPRET=1``).
+        precision: products in float64 (``"exact"``) or float32 (``"fast"``); ``"auto"``: exact
+            for raw sums (``track_mean=False``) on CPU and full-rate-float64 GPUs, fast
+            otherwise. Accuracy of each choice: ``fastspec.covariance.policy``.
 
     Example::
 
@@ -75,12 +108,14 @@ class Covariance:
     """
 
     def __init__(self, dim: int | tuple[int, ...], *, device: torch.device | str | None = None,
-                 track_mean: bool = True, backend: str = "auto"):
+                 track_mean: bool = True, backend: str = "auto", precision: str = "auto"):
         shape = _shape_arg(dim)
         self.sites: tuple[int, ...] = shape[:-1]
         self.D: int = shape[-1]
         self.track_mean = bool(track_mean)
         self.backend = check_backend(backend)
+        self.precision = check_precision(precision)
+        self._ws = blocked.Workspace()
         self._device = None if device is None else torch.device(device)
         self._state: dict[str, Tensor] | None = None
         if self._device is not None:
@@ -194,35 +229,57 @@ class Covariance:
             mask = mask != 0
         xs = x.reshape(*x.shape[:lead], self.num_sites, self.D) if self.sites else x.unsqueeze(-2)
         x4, m2d = _as_bt(xs, lead, mask)
-        part = select_partials(self.backend, x4)(x4, m2d, row_step, self.track_mean)
-        self._merge_partials(part)
+        plan = update_plan(self.precision, self.backend, self.track_mean, x4)
+        if plan.backend == "triton":
+            from .triton_update import covariance_partials_triton
+
+            self._merge_sums(*covariance_partials_triton(x4, m2d, row_step, self.track_mean))
+        else:
+            self._merge_sums(*blocked.accumulate(x4, m2d, row_step, self.track_mean, plan.products, self._ws))
         return self
 
-    def _merge_partials(self, p: CovPartials) -> None:
+    def _merge_sums(self, n_b: Tensor, c: Tensor, s: Tensor, G: Tensor, rejected: Tensor) -> None:
+        """Merge one update's sums about shift ``c`` (``s = Σ(x−c)``, ``G = Σ(x−c)(x−c)ᵀ``), in place."""
         st = self._state
-        nb = p.n.to(torch.int64)
-        st["rejected"] += p.rejected.to(torch.int64)
-        s64, G64 = p.s.double(), p.G.double()
+        nb = n_b.to(torch.int64)
+        st["rejected"] += rejected.to(torch.int64)
+        s64 = s.double()
         if not self.track_mean:
-            # raw sums: every backend takes center=False partials about c = 0 (reference.py)
+            # raw sums: every path takes them about c = 0
             st["sum"] += s64
-            st["gram"] += G64
+            st["gram"] += G
             st["n"] += nb
             return
-        nbf = nb.double().clamp_min(1)[:, None]
-        mean_b = p.c.double() + s64 / nbf
-        m2_b = G64 - s64[:, :, None] * s64[:, None, :] / nbf[..., None]
-        self._chan_merge(st, nb, mean_b, m2_b)
+        nbd = nb.double()
+        inv_nb = 1 / nbd.clamp_min(1)
+        mean_b = c.double() + s64 * inv_nb[:, None]
+        self._chan_merge(st, nb, mean_b, G, s64, inv_nb)
 
     @staticmethod
-    def _chan_merge(st: dict[str, Tensor], nb: Tensor, mean_b: Tensor, m2_b: Tensor) -> None:
-        """Chan et al.: merge (nb, mean_b, m2_b) into the running (n, mean, m2), in place."""
+    def _chan_merge(st: dict[str, Tensor], nb: Tensor, mean_b: Tensor, G: Tensor,
+                    s: Tensor | None = None, inv_nb: Tensor | None = None) -> None:
+        """Chan et al.: merge chunk ``(nb, mean_b, m2_b)`` into the running (n, mean, m2), in place.
+
+        ``m2_b = G − s sᵀ/nb`` (``s``/``inv_nb`` given: sums about a shift) or ``G`` itself. The
+        D×D updates are in-place rank-1 corrections, with no D×D temporaries.
+        """
         na = st["n"].double()
         nbd = nb.double()
         n = (na + nbd).clamp_min(1)
         delta = mean_b - st["mean"]
-        st["mean"] += delta * (nbd / n)[:, None]
-        st["m2"] += m2_b + delta[:, :, None] * delta[:, None, :] * (na * nbd / n)[:, None, None]
+        st["mean"].addcmul_(delta, (nbd / n)[:, None])
+        m2 = st["m2"]
+        m2 += G
+        w = na * nbd / n  # [S]
+        # m2 += −s sᵀ/nb + δ δᵀ·w as one batched rank-2 update U Vᵀ with U = [a | b], V = [−a | b],
+        # a = s/√nb, b = δ√w: entry (i, j) and (j, i) are the same two products, so m2 stays
+        # exactly symmetric
+        b = delta * w.sqrt()[:, None]
+        if s is not None:
+            a = s * inv_nb.sqrt()[:, None]
+            m2.baddbmm_(torch.stack((a, b), -1), torch.stack((-a, b), -2))
+        else:
+            m2.baddbmm_(b[:, :, None], b[:, None, :])
         st["n"] += nb
 
     def merge(self, other: "Covariance") -> "Covariance":
@@ -259,7 +316,7 @@ class Covariance:
         st = self._require_data()
         if self.track_mean:
             m = st["mean"]
-            g = st["m2"] + st["n"].double()[:, None, None] * m[:, :, None] * m[:, None, :]
+            g = st["m2"] + (m[:, :, None] * m[:, None, :]) * st["n"].double()[:, None, None]  # stays symmetric
         else:
             g = st["gram"]
         return self._out(g, 2)
@@ -287,29 +344,24 @@ class Covariance:
         pr = torch.diagonal(m2, dim1=-2, dim2=-1).sum(-1).square() / m2.square().sum((-2, -1))
         return self._out(pr, 0)
 
+    def matrix(self, convention: str = "eig") -> Tensor:
+        """The matrix whose spectrum :meth:`spectrum` reports, ``[*sites, D, D]`` float64: the
+        unbiased covariance (``eig``) or the raw Gram matrix ``XᵀX`` (``sv``)."""
+        _check_convention(convention)
+        return self.covariance() if convention == "eig" else self.gram()
+
     def spectrum(self, convention: str = "eig", *, dtype: torch.dtype | None = None) -> Tensor:
         """Spectrum per site, sorted descending, ``[*sites, D]``.
 
         ``eig``: eigenvalues of the unbiased centered covariance. ``sv``: singular values of the
         raw uncentered data matrix, ``σ = sqrt(λ(G))`` (SPEC §2). ``dtype`` is the precision of
-        the eigensolve: default float32 on CUDA (the fast batched solver) and float64 elsewhere.
-        A site without a defined matrix (``eig`` with fewer than 2 rows) gets an all-NaN spectrum.
+        the eigensolve; by default float64 for ``sv`` (a float32 solve would blur every singular
+        value below ~3e-4·σ_max) and for ``eig`` float32 on CUDA (the fast batched solver),
+        float64 elsewhere (``fastspec.covariance.policy``). A site without a defined matrix
+        (``eig`` with fewer than 2 rows) gets an all-NaN spectrum.
         """
-        from ..eig import eigvalsh
-
-        if convention not in CONVENTIONS:
-            raise ValueError(f"convention: expected one of {CONVENTIONS}, got {convention!r}")
-        st = self._require_data()
-        if dtype is None:
-            dtype = torch.float32 if st["n"].is_cuda else torch.float64
-        mat = (self.covariance() if convention == "eig" else self.gram()).to(dtype)
-        # torch.linalg raises on NaN (and would sync to find out): solve a zero stand-in instead
-        # and mark those sites NaN, so one empty site never hides its neighbours' spectra.
-        undefined = ~torch.isfinite(mat).all(-1).all(-1)
-        mat = torch.where(undefined[..., None, None], 0, mat)
-        lam = eigvalsh(mat).flip(-1).clamp_min(0)
-        lam = torch.where(undefined[..., None], float("nan"), lam)
-        return lam.sqrt() if convention == "sv" else lam
+        _check_convention(convention)
+        return spectra(self.matrix(convention), convention, dtype=dtype)
 
     def metrics(self, convention: str = "eig", *, dtype: torch.dtype | None = None) -> SpectrumMetrics:
         """Every SPEC §3 metric per site (each ``[*sites]``), plus ``n`` and ``rejected``."""

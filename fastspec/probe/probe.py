@@ -92,13 +92,13 @@ class Probe:
             used for queries and pre-RoPE keys.
         ffn_convention: ``"eig"`` (SPEC §5 FFN protocol) or ``"sv"``.
         backend: covariance update backend (``"auto"``, ``"torch"``, ``"triton"``).
-        exact_sv: ``sv`` sites (keys by default) sum ``Σxxᵀ`` in float64 with the torch backend,
-            so the key rank matches ``svdvals`` even for rank-deficient heads. This bypasses the
-            Triton kernels for those sites whatever ``backend`` says: each capture makes a
-            float64 copy of the rows and runs float64 products (slow on GPUs with reduced-rate
-            fp64), which counts against ``budget``. ``False``: the FP32 ``backend`` path
-            (faster; singular values below ~3e-4·σ_max are not resolved, ~1e-4 relative on the
-            PR of a rank-deficient head). See ``sites.Collector``.
+        precision: float64 (``"exact"``) or float32 (``"fast"``) products in the covariance
+            updates. ``"auto"`` (default): exact for ``sv`` sites (the key rank then matches
+            float64 ``svdvals`` to ~1e-8 even for rank-deficient heads) on CPU and on GPUs with
+            full-rate float64, fast (the Triton kernels on CUDA) for ``eig`` sites and elsewhere.
+            ``"fast"`` everywhere moves a rank-deficient head's key PR by up to ~2e-4. The
+            policy and its accuracy: ``fastspec.covariance.policy``.
+        exact_sv: deprecated spelling of ``precision``: ``True`` = ``"auto"``, ``False`` = ``"fast"``.
         every: streaming: capture the forwards of one step in ``every``.
         emit_every: streaming: compute metrics every ``emit_every`` calls of :meth:`step`.
         reset: streaming: zero the accumulators after each emission (``False``: running totals).
@@ -120,7 +120,8 @@ class Probe:
 
     def __init__(self, model: nn.Module, *, keys: bool = True, queries: bool = False, ffn: bool = True,
                  prerope_keys: bool = False, modules=None, key_convention: str = "sv",
-                 ffn_convention: str = "eig", backend: str = "auto", exact_sv: bool = True, every: int = 1,
+                 ffn_convention: str = "eig", backend: str = "auto", precision: str = "auto",
+                 exact_sv: bool | None = None, every: int = 1,
                  emit_every: int = 100, reset: bool = True, row_step: int = 1,
                  budget: float | None = None, sync: str = "all", process_group=None,
                  tp_rank: int = 0, clock: Callable[[], float] | None = None):
@@ -129,7 +130,10 @@ class Probe:
         self.keys, self.queries = _check_flag("keys", keys), _check_flag("queries", queries)
         self.ffn, self.prerope_keys = _check_flag("ffn", ffn), _check_flag("prerope_keys", prerope_keys)
         self.reset_after_emit = _check_flag("reset", reset)
-        self.exact_sv = _check_flag("exact_sv", exact_sv)
+        if exact_sv is not None:
+            warnings.warn("fastspec.Probe: exact_sv= is deprecated; use precision='auto' (float64 products "
+                          "for sv sites) or precision='fast'", DeprecationWarning, stacklevel=2)
+            precision = "auto" if _check_flag("exact_sv", exact_sv) else "fast"
         for name, conv in (("key_convention", key_convention), ("ffn_convention", ffn_convention)):
             if conv not in CONVENTIONS:
                 raise ValueError(f"{name}: expected one of {CONVENTIONS}, got {conv!r}")
@@ -137,9 +141,10 @@ class Probe:
             raise ValueError(f"sync: expected one of {SYNC_MODES}, got {sync!r}")
         if not isinstance(tp_rank, int) or isinstance(tp_rank, bool) or tp_rank < 0:
             raise ValueError(f"tp_rank: expected an int >= 0, got {tp_rank!r}")
-        from ..covariance.dispatch import check_backend
+        from ..covariance.policy import check_backend, check_precision
 
         self.backend = check_backend(backend)
+        self.precision = check_precision(precision)
         self.key_convention, self.ffn_convention = key_convention, ffn_convention
         self.emit_every = _check_pos_int("emit_every", emit_every)
         self.row_step = _check_pos_int("row_step", row_step)
@@ -150,7 +155,7 @@ class Probe:
         self.module_sites = self._module_sites(modules)
         self.family = self._resolve_family()
 
-        self._stream = Collector(self.backend, self.exact_sv)
+        self._stream = Collector(self.backend, self.precision)
         self._target: Collector | None = None   # where captures go right now
         self._depth = 0                          # >0 while the model's own forward runs
         self._mask: Tensor | None = None
@@ -393,7 +398,7 @@ class Probe:
         model = self.model
         modes = [(m, m.training) for m in model.modules()]
         installed_here = self._handles is None
-        previous_target, collector = self._target, Collector(self.backend, self.exact_sv)
+        previous_target, collector = self._target, Collector(self.backend, self.precision)
         try:
             if installed_here:
                 self._install()
@@ -523,30 +528,53 @@ class Probe:
             return acc.cov, True
         return all_reduce_covariance(acc.cov, self.process_group), self._reports()
 
+    def _spectral_blocks(self, collector: Collector):
+        """``(key, acc, cov, block [M, S])`` per reported accumulator, in ``sorted_items`` order.
+
+        One eigensolve per (convention, D) over every site and layer (one batched launch on
+        CUDA), and one :func:`~fastspec.metrics.summarize` per group. The solve dtype is the
+        policy's (``fastspec.covariance.policy.solve_dtype``): float64 for ``sv``, where
+        ``σ = sqrt(λ)`` would turn a float32 solve's ``eps·λ_max`` into ``sqrt(eps)·σ_max``.
+        """
+        from ..covariance import spectra
+
+        items = []
+        for key, acc in collector.sorted_items():
+            if acc.cov.device is None:
+                continue
+            cov, report = self._merge_ranks(acc)
+            if report:
+                items.append((key, acc, cov))
+        groups: dict[tuple, list[int]] = {}
+        for i, (_, acc, cov) in enumerate(items):
+            groups.setdefault((acc.convention, cov.D, cov.device), []).append(i)
+        blocks: dict[int, Tensor] = {}
+        for (convention, D, _), idx in groups.items():
+            mats = torch.cat([items[i][2].matrix(convention).reshape(-1, D, D) for i in idx])
+            spec = spectra(mats, convention)  # [ΣS, D], descending
+            m = summarize(spec)
+            cols = torch.stack([getattr(m, name).double() for name in SPECTRUM_METRICS])  # [M, ΣS]
+            start = 0
+            for i in idx:
+                cov = items[i][2]
+                S = cov.num_sites
+                sl = slice(start, start + S)
+                start += S
+                n = cov.n.double().reshape(-1)
+                top = spec[sl, 0].double()
+                lam_max = top if convention == "eig" else top.square() / n  # of XᵀX/n (SPEC §4)
+                blocks[i] = torch.cat([cols[:, sl], torch.stack([lam_max, n, cov.rejected.double().reshape(-1)])])
+        for i, (key, acc, cov) in enumerate(items):
+            yield key, acc, cov, blocks[i]
+
     def _emit(self, collector: Collector, step: int, tokens_seen: int | None,
               extra: tuple) -> PendingRecords | None:
         """Metrics of every accumulator, packed into one tensor headed for the host."""
         keys: list[RecordKey] = []
         values: list[Tensor] = []
         device = None
-        for (site, layer), acc in collector.sorted_items():
-            if acc.cov.device is None:
-                continue
-            cov, report = self._merge_ranks(acc)
-            if not report:
-                continue
-            # sv: σ = sqrt(λ(G)) turns an fp32 eigensolve's absolute error eps·λ_max into errors of
-            # sqrt(eps)·σ_max on every small σ: PR(σ) of a rank-8 head of width 128 moves by 1.3e-4
-            # (fp64: 3e-8 against svdvals). Runs only at emission time.
-            dtype = torch.float64 if acc.convention == "sv" else None
-            spec = cov.spectrum(acc.convention, dtype=dtype)  # [*sites, D], descending
-            m = summarize(spec)
-            n = cov.n.double()
-            lam_max = spec[..., 0] if acc.convention == "eig" else spec[..., 0].square() / n  # of XᵀX/n (SPEC §4)
-            cols = [getattr(m, name) for name in SPECTRUM_METRICS]
-            cols += [lam_max, n, cov.rejected.double()]
-            names = (*SPECTRUM_METRICS, "lambda_max", "n", "rejected")
-            block = torch.stack([c.double().reshape(-1) for c in cols])  # [M, S]
+        names = (*SPECTRUM_METRICS, "lambda_max", "n", "rejected")
+        for (site, layer), acc, cov, block in self._spectral_blocks(collector):
             heads = range(block.shape[1])
             for name in names:
                 for h in heads:

@@ -66,9 +66,9 @@ class Accumulator:
     """One site group: ``Covariance`` + how to turn it into records."""
 
     def __init__(self, dim: tuple[int, ...], convention: str, headed: bool, head_offset: int,
-                 backend: str):
+                 backend: str, precision: str = "auto"):
         self.convention, self.headed, self.head_offset = convention, headed, head_offset
-        self.cov = Covariance(dim, track_mean=(convention == "eig"), backend=backend)
+        self.cov = Covariance(dim, track_mean=(convention == "eig"), backend=backend, precision=precision)
 
     def state_dict(self) -> dict:
         sd = self.cov.state_dict()
@@ -77,8 +77,8 @@ class Accumulator:
                 "head_offset": self.head_offset, "state": state}
 
     @classmethod
-    def from_state_dict(cls, sd: dict, backend: str) -> Accumulator:
-        acc = cls(tuple(sd["dim"]), sd["convention"], sd["headed"], sd["head_offset"], backend)
+    def from_state_dict(cls, sd: dict, backend: str, precision: str = "auto") -> Accumulator:
+        acc = cls(tuple(sd["dim"]), sd["convention"], sd["headed"], sd["head_offset"], backend, precision)
         acc.cov.load_state_dict({"dim": tuple(sd["dim"]), "track_mean": sd["convention"] == "eig",
                                  "state": sd["state"]})
         return acc
@@ -90,14 +90,13 @@ SiteKey = tuple[str, "int | None"]
 class Collector:
     """The accumulators one schedule writes into (streaming totals, or one eval measurement).
 
-    ``exact_sv``: ``sv``-convention sites accumulate ``Σxxᵀ`` from float64 rows with the torch
-    backend. ``σ = sqrt(λ(G))`` resolves singular values only down to ``sqrt(eps)·σ_max`` of the
-    precision ``G`` was summed in: about ``3e-4·σ_max`` for FP32 partials, which moves the key
-    rank of a (near) rank-deficient head by ~1e-4 relative; float64 sums resolve ~1e-8·σ_max.
+    ``backend`` and ``precision`` go to every :class:`~fastspec.Covariance`; what they mean and
+    the accuracy of each choice is ``fastspec.covariance.policy``'s to say (by default ``sv``
+    sites, i.e. keys, get float64 products and ``eig`` sites float32 ones).
     """
 
-    def __init__(self, backend: str, exact_sv: bool = True):
-        self.backend, self.exact_sv = backend, exact_sv
+    def __init__(self, backend: str, precision: str = "auto"):
+        self.backend, self.precision = backend, precision
         self.accs: dict[SiteKey, Accumulator] = {}
 
     def update(self, site: str, layer: int | None, x: Tensor, mask: Tensor | None, *,
@@ -107,22 +106,17 @@ class Collector:
         acc = self.accs.get((site, layer))
         if acc is None:
             acc = self.accs[(site, layer)] = Accumulator(dim, convention, headed, head_offset,
-                                                         self.backend_for(convention))
+                                                         self.backend, self.precision)
         elif (*acc.cov.sites, acc.cov.D) != dim:
             raise ValueError(f"{site} layer {layer}: activation shape {list(x.shape)} does not match "
                              f"the accumulator's {(*acc.cov.sites, acc.cov.D)}")
         if x.numel() == 0:  # e.g. a batch with no tokens: nothing to merge
             return
-        if convention == "sv" and self.exact_sv:
-            x = x.double()
         acc.cov.update(x, mask, row_step=row_step)
-
-    def backend_for(self, convention: str) -> str:
-        return "torch" if convention == "sv" and self.exact_sv else self.backend
 
     def load(self, entries: list[dict]) -> None:
         """Replace the accumulators with :meth:`Accumulator.state_dict` entries (plus site/layer)."""
-        self.accs = {(e["site"], e["layer"]): Accumulator.from_state_dict(e, self.backend_for(e["convention"]))
+        self.accs = {(e["site"], e["layer"]): Accumulator.from_state_dict(e, self.backend, self.precision)
                      for e in entries}
 
     def reset(self) -> None:
