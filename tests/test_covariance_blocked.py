@@ -66,8 +66,12 @@ def _inputs(seed=0, B=3, T=37, S=2, D=24, layout="bhtd", mean=0.0):
 @pytest.mark.parametrize("precision", ["exact", "fast"])
 @pytest.mark.parametrize("track_mean", [True, False])
 @pytest.mark.parametrize("layout", ["bhtd", "strided"])
-def test_blocked_update_matches_float64_truth(precision, track_mean, layout, monkeypatch):
+@pytest.mark.parametrize("syrk", [True, False], ids=["syrk", "bmm"])
+def test_blocked_update_matches_float64_truth(precision, track_mean, layout, syrk, monkeypatch):
+    # syrk=False: the CUDA code path (bmm products, every block through the row check) on CPU
+    monkeypatch.setattr(blocked, "_use_syrk", lambda device: syrk)
     monkeypatch.setattr(blocked, "BLOCK_ELEMS", 2 * 24 * 10)  # 10 rows a block: many blocks
+    monkeypatch.setattr(blocked, "CUDA_BLOCK_ELEMS", 2 * 24 * 10)
     monkeypatch.setattr(blocked, "FP32_FLUSH_ROWS", 25)
     x, mask = _inputs(layout=layout, mean=3.0)
     x[1, 4, 0, 7] = float("nan")  # a real row: rejected for site 0 only
@@ -124,9 +128,12 @@ def test_workspace_is_reused_across_updates():
     x, mask = _inputs(seed=4)
     cov = fastspec.Covariance((2, 24), track_mean=True)
     cov.update(x, mask)
-    ptrs = {k: t.data_ptr() for k, t in cov._ws._bufs.items()}
+    ws = blocked.shared_workspace()
+    ptrs = {k: t.data_ptr() for k, t in ws._bufs.items()}
     cov.update(x, mask)
-    assert {k: t.data_ptr() for k, t in cov._ws._bufs.items()} == ptrs
+    other = fastspec.Covariance((2, 24), track_mean=True)  # another accumulator shares the buffers
+    other.update(x, mask)
+    assert {k: t.data_ptr() for k, t in ws._bufs.items()} == ptrs
 
 
 def _lowrank_rope_keys(r: int, B=2, H=2, T=512, D=64, seed=5) -> torch.Tensor:

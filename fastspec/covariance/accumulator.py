@@ -115,7 +115,6 @@ class Covariance:
         self.track_mean = bool(track_mean)
         self.backend = check_backend(backend)
         self.precision = check_precision(precision)
-        self._ws = blocked.Workspace()
         self._device = None if device is None else torch.device(device)
         self._state: dict[str, Tensor] | None = None
         if self._device is not None:
@@ -235,7 +234,8 @@ class Covariance:
 
             self._merge_sums(*covariance_partials_triton(x4, m2d, row_step, self.track_mean))
         else:
-            self._merge_sums(*blocked.accumulate(x4, m2d, row_step, self.track_mean, plan.products, self._ws))
+            self._merge_sums(*blocked.accumulate(x4, m2d, row_step, self.track_mean, plan.products,
+                                                  blocked.shared_workspace()))
         return self
 
     def _merge_sums(self, n_b: Tensor, c: Tensor, s: Tensor, G: Tensor, rejected: Tensor) -> None:

@@ -6,7 +6,7 @@ in float32 or float64 (``policy.py`` decides), totals in float64. Work per updat
 each row into a buffer of at most :data:`BLOCK_ELEMS` elements (converting, centring and zeroing
 padded rows on the way), then ``N·D²/2`` multiply-adds per site on CPU (``N·D²`` on CUDA). No
 temporary grows with the batch: the buffer and the float64 Gram workspace are allocated once per
-accumulator and reused by every later update.
+thread and reused by every later update of any accumulator (:func:`shared_workspace`).
 
 Per block of rows (rows are the kept ``(b, t)`` pairs, each site's rows ``[R, D]``):
 
@@ -26,12 +26,17 @@ The caller merges the update's ``(n, c, s, G)`` (``G`` exactly symmetric) into i
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import Tensor
 
 BLOCK_ELEMS = 1 << 20
-"""Elements of the block buffer (8 MiB in float64, 4 MiB in float32): large enough that BLAS runs
-at full speed, and never scaling with the batch."""
+"""Elements of the block buffer on CPU (8 MiB in float64): large enough that BLAS runs at full
+speed, and never scaling with the batch."""
+
+CUDA_BLOCK_ELEMS = 1 << 22
+"""On CUDA (32 MiB in float64): fewer, larger GEMMs, so launches stay a small part of the cost."""
 
 FP32_FLUSH_ROWS = 4096
 """Float32 products are summed over at most this many rows before joining the float64 total
@@ -42,7 +47,7 @@ CENTER_ROWS = 64
 
 
 class Workspace:
-    """Buffers reused across updates of one accumulator (allocated on first use)."""
+    """Buffers reused across updates (allocated on first use, grown when a larger one is asked)."""
 
     def __init__(self):
         self._bufs: dict[tuple, Tensor] = {}
@@ -56,6 +61,23 @@ class Workspace:
         if t is None or t.numel() < numel:
             t = self._bufs[key] = torch.empty(numel, dtype=dtype, device=device)
         return t[:numel].view(shape)
+
+
+_local = threading.local()
+
+
+def shared_workspace() -> Workspace:
+    """This thread's workspace, shared by every accumulator: updates run one after another on a
+    thread (and, on CUDA, in stream order), so one buffer per device and dtype serves them all."""
+    ws = getattr(_local, "ws", None)
+    if ws is None:
+        ws = _local.ws = Workspace()
+    return ws
+
+
+def _use_syrk(device: torch.device) -> bool:
+    """SciPy's BLAS syrk for CPU tensors; CUDA (and anything else) goes through torch."""
+    return device.type == "cpu"
 
 
 def _syrk_into(G: Tensor, a: Tensor, beta: float) -> None:
@@ -135,14 +157,14 @@ def accumulate(x: Tensor, mask: Tensor | None, row_step: int, center: bool, prod
     B, T, S, D = x.shape
     dev = x.device
     f64 = dict(dtype=torch.float64, device=dev)
-    cpu = dev.type == "cpu"
+    cpu = _use_syrk(dev)
     c = _shift(x, mask, products) if center else None
     G = ws.get("G", (S, D, D), **f64)
     G.zero_()
     s_tot = torch.zeros(S, D, **f64)
     n = torch.zeros(S, dtype=torch.int64, device=dev)
     rejected = torch.zeros(S, dtype=torch.int64, device=dev)
-    rows = max(1, BLOCK_ELEMS // max(1, S * D))
+    rows = max(1, (BLOCK_ELEMS if cpu else CUDA_BLOCK_ELEMS) // max(1, S * D))
     pending = 0  # rows summed into the float32 block Gram and not yet added to G
     Gb = None if products == torch.float64 else ws.get("Gb", (S, D, D), torch.float32, dev)
     for b0, b1, t0, t1 in _blocks(B, T, rows):
