@@ -241,11 +241,11 @@ case "$TIER/$PART" in
     ncu_step 60 ;;
   full/1) tests_full; compare 150 ;;
   full/2) bench eigvalsh 240; bench covariance 90; ncu_step 90 ;;
-  full/3) bench keyrank 150; bench train_step 240 ;;
+  full/3) bench keyrank 120; bench train_step 200; bench probe 120 ;;
   full/)
     tests_full; compare 150
     bench eigvalsh 240; bench covariance 90; ncu_step 90
-    bench keyrank 150; bench train_step 240 ;;
+    bench keyrank 120; bench train_step 200; bench probe 120 ;;
 esac
 
 # --- flat result files: one bench.json, the step outputs, a summary on stdout ---------------------

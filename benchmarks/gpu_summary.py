@@ -22,7 +22,7 @@ from pathlib import Path
 
 from fastspec.bench.table import fmt_time
 
-SUITE_ORDER = ("eigvalsh", "covariance", "keyrank", "train_step")
+SUITE_ORDER = ("eigvalsh", "covariance", "keyrank", "train_step", "probe")
 PYTEST_CLOSING = re.compile(r"^=*\s*(\d+ (passed|failed|skipped|deselected|errors?)\b|no tests ran)")
 
 

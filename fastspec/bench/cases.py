@@ -10,7 +10,9 @@ Sizes come in three tiers:
 * ``gpu``: the shapes the README claims (1.5B-model keys and FFN, 16384 matrices of 128×128).
 
 Suites (see benchmarks/README.md): ``eigvalsh``, ``covariance``, ``keyrank`` (SPEC §5 key-rank
-protocol end to end), ``train_step`` (streaming-probe overhead on a Llama-style training step).
+protocol end to end), ``train_step`` (streaming-probe overhead on a Llama-style training step),
+``probe`` (issue 13: ``Probe.measure`` and keys-only streaming overhead, the key-rank computation
+alone vs ``svdvals`` per head).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from typing import Any, Callable, ContextManager
 import torch
 
 TIERS = ("quick", "cpu", "gpu")
-SUITES = ("eigvalsh", "covariance", "keyrank", "train_step")
+SUITES = ("eigvalsh", "covariance", "keyrank", "train_step", "probe")
 
 Inputs = dict[str, Any]
 
@@ -46,6 +48,8 @@ class Case:
             it loops one call per item (``torch.linalg.eigvalsh`` on CUDA for n > 32): its
             measured time is multiplied by ``factor`` (full batch / timed slice) and the row
             records the factor.
+        overhead: the fastspec side is its baseline plus a probe: each row also gets
+            ``overhead_pct = (fastspec_s / baseline_s − 1)·100``.
     """
 
     suite: str
@@ -62,6 +66,7 @@ class Case:
     skip: str | None = None
     notes: dict[str, str] = field(default_factory=dict)
     baseline_scale: dict[str, float] = field(default_factory=dict)
+    overhead: bool = False
 
     @property
     def id(self) -> str:
@@ -102,6 +107,8 @@ def cases(suite: str, tier: str, device: torch.device | None = None) -> list[Cas
         from .cases_models import keyrank_cases as build
     elif suite == "train_step":
         from .cases_models import train_step_cases as build
+    elif suite == "probe":
+        from .cases_probe import probe_cases as build
     else:
         raise ValueError(f"suite: expected one of {SUITES}, got {suite!r}")
     return build(tier, device)

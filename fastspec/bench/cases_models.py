@@ -13,8 +13,9 @@
 d_ff 8192) in bf16 with 4 × 2048 tokens; ``cpu``/``quick``: small fp32 models of the same layout.
 Weights are random: timings and protocol agreement do not depend on training.
 
-Layer fitting (``train_step`` only, every tier, see :func:`fit_layers`): a bf16 training step with
-AdamW at the 1.5B shape needs ~17 GB of weights, grads and Adam state plus tens of GB of
+Layer fitting (``train_step`` and the ``probe`` suite's train step, every tier, see
+:func:`fit_layers`): a bf16 training step with AdamW at the 1.5B shape needs ~17 GB of weights,
+grads and Adam state plus tens of GB of
 activations and the probe's FFN accumulators, which may not fit next to anything else on an
 80 GB GPU, and ``emit_every=1`` may be too slow for the tier's time cap. So ``setup()`` runs a
 trial step at the requested depth and halves the layer count on out-of-memory or when the trial
@@ -78,12 +79,14 @@ def _dtype(tier: str) -> torch.dtype:
     return torch.bfloat16 if tier == "gpu" else torch.float32
 
 
-def build_llama(tier: str, device: torch.device, layers: int | None = None) -> Any:
+def build_llama(tier: str, device: torch.device, layers: int | None = None, *,
+                shape: dict[str, int] | None = None) -> Any:
     """A randomly initialised ``LlamaForCausalLM`` of the tier's shape on ``device``;
-    ``layers`` overrides the tier's layer count."""
+    ``layers`` overrides the tier's layer count, ``shape`` the tier's :data:`MODEL_SHAPES` entry
+    (the dtype stays the tier's)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    shape = dict(MODEL_SHAPES[tier])
+    shape = dict(MODEL_SHAPES[tier] if shape is None else shape)
     if layers is not None:
         shape["num_hidden_layers"] = layers
     config = LlamaConfig(**shape, max_position_embeddings=4096)
@@ -93,9 +96,11 @@ def build_llama(tier: str, device: torch.device, layers: int | None = None) -> A
     return model.to(_dtype(tier))
 
 
-def _tokens(tier: str, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+def _tokens(tier: str, shape: tuple[int, int], device: torch.device,
+            vocab: int | None = None) -> torch.Tensor:
     g = torch.Generator(device="cpu").manual_seed(1234)
-    return torch.randint(MODEL_SHAPES[tier]["vocab_size"], shape, generator=g).to(device)
+    vocab = MODEL_SHAPES[tier]["vocab_size"] if vocab is None else vocab
+    return torch.randint(vocab, shape, generator=g).to(device)
 
 
 def hand_key_rank(model: Any, batch: dict[str, torch.Tensor],
@@ -153,8 +158,8 @@ def probe_key_rank(records: list, L: int, H: int) -> torch.Tensor:
     return out
 
 
-def _size(tier: str, tokens: tuple[int, int]) -> str:
-    s = MODEL_SHAPES[tier]
+def _size(tier: str, tokens: tuple[int, int], shape: dict[str, int] | None = None) -> str:
+    s = MODEL_SHAPES[tier] if shape is None else shape
     dt = "bf16" if _dtype(tier) == torch.bfloat16 else "fp32"
     return (f"L{s['num_hidden_layers']}-KV{s['num_key_value_heads']}-d{s['head_dim']}"
             f"-ff{s['intermediate_size']}-N{tokens[0]}x{tokens[1]}-{dt}")
@@ -287,10 +292,19 @@ def train_step_cases(tier: str, device: torch.device) -> list[Case]:
     return [_train_step_case(tier, device, emit_every) for emit_every in (100, 1)]
 
 
-def _train_step_case(tier: str, device: torch.device, emit_every: int) -> Case:
+def _train_step_case(tier: str, device: torch.device, emit_every: int, *, keys: bool = True,
+                     ffn: bool = True, shape: dict[str, int] | None = None,
+                     tokens: tuple[int, int] | None = None, suite: str = "train_step",
+                     size_prefix: str = "", variant: str | None = None) -> Case:
+    """A training step with vs without a streaming ``Probe(model, keys=keys, ffn=ffn,
+    emit_every=emit_every)``. Defaults: the ``train_step`` suite (keys + FFN, the tier's
+    :data:`MODEL_SHAPES` and :data:`TRAIN_TOKENS`); the ``probe`` suite passes its own shape,
+    tokens, sites and names (``fastspec.bench.cases_probe``)."""
     skip = _requirements()
-    tokens = TRAIN_TOKENS[tier]
-    requested = MODEL_SHAPES[tier]["num_hidden_layers"]
+    tokens = TRAIN_TOKENS[tier] if tokens is None else tokens
+    requested = (MODEL_SHAPES[tier] if shape is None else shape)["num_hidden_layers"]
+    over = {} if shape is None else {"shape": shape}  # the default path calls build_llama as before
+    vocab = None if shape is None else shape["vocab_size"]
     # Filled by setup() with the layer-fit note: the runner reads ``notes`` after setup and
     # timing, while ``size`` (and so the requested depth) is fixed before setup.
     notes: dict[str, str] = {}
@@ -298,10 +312,10 @@ def _train_step_case(tier: str, device: torch.device, emit_every: int) -> Case:
     def build(layers: int) -> Inputs:
         import fastspec
 
-        model = build_llama(tier, device, layers).train()
-        return {"model": model, "ids": _tokens(tier, tokens, device),
+        model = build_llama(tier, device, layers, **over).train()
+        return {"model": model, "ids": _tokens(tier, tokens, device, vocab),
                 "opt": torch.optim.AdamW(model.parameters(), lr=1e-5),
-                "probe": fastspec.Probe(model, keys=True, ffn=True, emit_every=emit_every), "step": [0]}
+                "probe": fastspec.Probe(model, keys=keys, ffn=ffn, emit_every=emit_every), "step": [0]}
 
     def plain(inp: Inputs) -> None:
         loss = inp["model"](input_ids=inp["ids"], labels=inp["ids"]).loss
@@ -343,7 +357,8 @@ def _train_step_case(tier: str, device: torch.device, emit_every: int) -> Case:
         return {"fastspec_error": float((probed_loss.double() - base.double()).abs()),
                 "baseline_error": None, **inp["fit"].extras()}
 
-    return Case(suite="train_step", size=_size(tier, tokens), variant=f"emit_every={emit_every}",
+    return Case(suite=suite, size=size_prefix + _size(tier, tokens, shape),
+                variant=f"emit_every={emit_every}" if variant is None else variant,
                 setup=setup, fastspec=probed, baselines={"training step without probe": plain},
                 check=check, error_kind="|Δloss| with probe", skip=skip, notes=notes,
-                fastspec_context=streaming)
+                fastspec_context=streaming, overhead=True)

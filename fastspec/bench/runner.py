@@ -4,7 +4,9 @@ Row fields: ``suite, size, variant, baseline`` identify it; ``fastspec_s``/``bas
 median seconds per call; ``speedup = baseline_s / fastspec_s``; ``rate_unit``,
 ``fastspec_rate``/``baseline_rate`` the throughput (GB/s, µs/matrix); ``error_kind``,
 ``fastspec_error``/``baseline_error`` the accuracy side (plus case-specific fields such as
-``pr_diff_vs_baseline``); ``overhead_pct`` for ``train_step``; ``torch_threads`` in the document.
+``pr_diff_vs_baseline``); ``overhead_pct`` for cases that time a probe on top of their baseline
+(``Case.overhead``: ``train_step``, the ``probe`` suite's measure and train-step cases);
+``torch_threads`` in the document.
 A case that cannot run here gives one row with ``skipped`` (the reason); one that raised gives
 ``error`` (the exception) so one broken case does not hide the others. A baseline timed on a
 slice of the input (see ``Case.baseline_scale``) has its time scaled to the full input and
@@ -86,7 +88,7 @@ def run_case(case: Case, device: torch.device, *, warmup: int = 2, repeats: int 
             if case.rate is not None:
                 unit, fn = case.rate
                 row.update(rate_unit=unit, fastspec_rate=fn(fast.median), baseline_rate=fn(base_s))
-            if case.suite == "train_step":
+            if case.overhead:
                 row["overhead_pct"] = (fast.median / base_s - 1) * 100
             rows.append(row)
         for what, why in case.notes.items():
