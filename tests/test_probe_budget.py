@@ -1,5 +1,7 @@
-"""Overhead budget: the probe times its own work and widens its capture interval to stay under
-the budget. Tested with an injected clock, so every number is deterministic."""
+"""Overhead budget: the probe times its own work (captures and emissions), reports it as a
+fraction of the probe-free step time, and widens its capture and emission intervals to stay
+under the budget; FFN streaming subsamples tokens to fit. Tested with injected clocks, so every
+number is deterministic."""
 from __future__ import annotations
 
 import itertools
@@ -10,7 +12,14 @@ import torch
 from _tiny_models import batch, build
 
 import fastspec
-from fastspec.probe.budget import OverheadBudget, WorkTimer
+from fastspec.probe.budget import (
+    DEFAULT_FFN_SHARE,
+    OverheadBudget,
+    WorkTimer,
+    auto_ffn_rows,
+    ffn_flop_share,
+    matmul_parameters,
+)
 
 
 class TickClock:
@@ -29,33 +38,106 @@ class TickClock:
         self.t += dt
 
 
+class ManualClock:
+    """Host clock that only moves when told: reading it is free, so the probe work a test
+    injects is exactly the work there is."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
 def test_budget_policy_interval_is_ceil_cost_over_budget_and_relaxes():
     b = OverheadBudget(0.01, base_every=2, smoothing=1.0)
-    assert b.observe(work_s=0.05, step_s=1.0, active=True) == 5  # 5% per captured step -> 1 in 5
+    # 50 ms of work in a 1.05 s step: 5% of the 1 s the step takes without the probe -> 1 in 5
+    assert b.observe(0.05, 0.0, step_s=1.05, captured=True) == 5
     assert b.average_fraction == pytest.approx(0.01)
-    assert b.observe(work_s=0.0, step_s=1.0, active=False) == 5  # idle steps say nothing about cost
-    assert b.observe(work_s=0.001, step_s=1.0, active=True) == 2  # cheap again: back to base_every
-    assert OverheadBudget(None, 3).observe(0.9, 1.0, True) == 3  # no budget: never adapts
+    assert b.last_fraction == pytest.approx(0.05)
+    assert b.observe(0.0, 0.0, step_s=1.0, captured=False) == 5  # idle steps say nothing about cost
+    assert b.observe(0.001, 0.0, step_s=1.001, captured=True) == 2  # cheap again: back to base_every
+    assert OverheadBudget(None, 3).observe(0.9, 0.0, 1.9, True) == 3  # no budget: never adapts
+    assert b.measured_fraction == pytest.approx(0.051 / 3)  # all work / all probe-free time
 
 
 def test_budget_smoothing_and_bad_arguments():
     b = OverheadBudget(0.1, base_every=1, smoothing=0.5)
-    b.observe(0.4, 1.0, True)
-    assert b.observe(0.0, 1.0, True) == math.ceil(0.2 / 0.1)  # EMA: 0.5*0.4 + 0.5*0
-    for bad in (0, 1.0, -0.1, "1%"):
+    b.observe(0.4, 0.0, 1.4, True)
+    assert b.observe(0.0, 0.0, 1.0, True) == math.ceil(0.2 / 0.1)  # EMA: 0.5*0.4 + 0.5*0
+    for bad in (0, 1.0, -0.1, "1%", True):
         with pytest.raises(ValueError, match="budget"):
             OverheadBudget(bad, 1)
     with pytest.raises(ValueError, match="every"):
         OverheadBudget(0.01, 0)
+    with pytest.raises(ValueError, match="emit_every"):
+        OverheadBudget(0.01, 1, 0)
 
 
-def test_work_timer_host_clock_sums_capture_windows():
+def _planned(budget, every, emit_every, c, e, adapt_emission=True):
+    b = OverheadBudget(budget, every, emit_every, smoothing=1.0)
+    b.adapt_emission = adapt_emission
+    b.observe(c, 0.0, 1.0 + c, captured=True)
+    b.observe(0.0, e, 1.0 + e, captured=False, emitted=True)
+    return b.every, b.emit_every, b.average_fraction
+
+
+def test_budget_counts_and_throttles_emission_too():
+    # fits: nothing changes; the estimate is c/every + e/emit_every
+    assert _planned(0.1, 1, 10, 0.05, 0.2) == (1, 10, pytest.approx(0.05 + 0.02))
+    # emission within half the budget keeps its interval; captures take what is left
+    every, emit, avg = _planned(0.01, 1, 10, 0.02, 0.04)  # e/10 = 0.004 <= 0.005
+    assert (every, emit) == (math.ceil(0.02 / (0.01 - 0.004)), 10) and avg <= 0.01
+    # captures within their half keep theirs; emissions are spaced out, in multiples of emit_every
+    every, emit, avg = _planned(0.01, 1, 5, 0.002, 0.2)  # 0.2/5 = 4% emission alone
+    assert every == 1 and emit == 5 * math.ceil(0.2 / ((0.01 - 0.002) * 5)) and avg <= 0.01
+    # both too expensive: half each
+    every, emit, avg = _planned(0.01, 2, 4, 0.1, 0.1)
+    assert (every, emit) == (math.ceil(0.1 / 0.005), 4 * math.ceil(0.1 / (0.005 * 4))) and avg <= 0.01
+    # emissions that must stay in lockstep across ranks are never spaced; captures keep half
+    every, emit, _ = _planned(0.01, 1, 5, 0.02, 0.2, adapt_emission=False)
+    assert (every, emit) == (math.ceil(0.02 / 0.005), 5)
+    # no budget: only reported
+    assert _planned(None, 1, 1, 0.3, 0.3) == (1, 1, pytest.approx(0.6))
+
+
+def test_emissions_stay_on_multiples_of_emit_every_when_spaced_out():
+    b = OverheadBudget(0.01, 1, 3, smoothing=1.0)
+    b.emit_every = 9  # as planned for an emission costing ~3x its share
+    due = []
+    for s in range(1, 40):
+        if b.emit_due(s):
+            b.emitted(s)
+            due.append(s)
+    assert due == [9, 18, 27, 36]
+    b.emit_every = 3  # cheap again: the next multiple of 3
+    assert [s for s in range(37, 46) if b.emit_due(s)] == [39, 42, 45]
+
+
+def test_budget_state_round_trip_and_old_format():
+    b = OverheadBudget(0.01, 1, 5, smoothing=1.0)
+    b.observe(0.02, 0.0, 1.02, True)
+    b.observe(0.0, 0.3, 1.3, False, emitted=True)
+    b.emitted(10)
+    c = OverheadBudget(0.01, 1, 5)
+    c.load_state_dict(b.state_dict())
+    assert c.state_dict() == b.state_dict() and c.average_fraction == b.average_fraction
+    old = OverheadBudget(0.01, 2, 5)
+    old.load_state_dict({"every": 4, "active_cost": 0.04, "last_fraction": 0.04})  # before emission accounting
+    assert (old.every, old.emit_every, old.capture_cost, old.emit_cost) == (4, 5, 0.04, None)
+
+
+def test_work_timer_host_clock_sums_capture_and_emission_windows():
     clock = TickClock(tick=0.5)
     timer = WorkTimer(clock)
     for _ in range(3):
         timer.stop(timer.start(None))
-    assert timer.close_step("a") == [(pytest.approx(1.5), "a")]
-    assert timer.close_step("b") == [(0.0, "b")]
+    timer.stop(timer.start(None), "emit")
+    assert timer.close_step("a") == [({"capture": pytest.approx(1.5), "emit": pytest.approx(0.5)}, "a")]
+    assert timer.close_step("b") == [({"capture": 0.0, "emit": 0.0}, "b")]
 
 
 class FakeEvent:
@@ -75,12 +157,15 @@ def test_work_timer_accounts_late_device_work_to_its_own_step():
     # the host runs ahead of the GPU: a captured step's events complete only during a later
     # (idle) step; their work must still be reported with the captured step's tag
     timer = WorkTimer(TickClock(tick=0.0))
-    end = FakeEvent(ms=30.0)
-    timer._events.append((FakeEvent(0.0), end))  # what start()/stop() record on CUDA
+    end, emit_end = FakeEvent(ms=30.0), FakeEvent(ms=7.0)
+    timer._events.append((FakeEvent(0.0), end, "capture"))  # what start()/stop() record on CUDA
+    timer._events.append((FakeEvent(0.0), emit_end, "emit"))
     assert timer.close_step("captured") == []     # not complete: nothing is reported yet
     assert timer.close_step("idle") == []         # and nothing overtakes it
-    end.done = True
-    assert timer.close_step("idle2") == [(pytest.approx(0.03), "captured"), (0.0, "idle"), (0.0, "idle2")]
+    end.done = emit_end.done = True
+    zero = {"capture": 0.0, "emit": 0.0}
+    assert timer.close_step("idle2") == [({"capture": pytest.approx(0.03), "emit": pytest.approx(0.007)}, "captured"),
+                                         (zero, "idle"), (zero, "idle2")]
 
 
 def test_probe_adapts_interval_to_stay_under_budget():
@@ -98,8 +183,9 @@ def test_probe_adapts_interval_to_stay_under_budget():
                 captured_steps.append(step)
             clock.advance(0.1)  # 100 ms of "training" per step
             probe.step(step)
-    # one captured step: 2 layers x 1 capture x 1 tick of work = 2 ms over ~103 ms of step
-    cost = 2 * tick / (0.1 + 2 * 2 * tick + tick)
+    # one captured step: 2 layers x 1 capture x 1 tick of work = 2 ms, over the step's time
+    # without it: 100 ms + 2 unmeasured ticks (the start() reads) + 1 (step()'s own read)
+    cost = 2 * tick / (0.1 + 2 * tick + tick)
     expected_every = math.ceil(cost / 0.01)
     assert probe.every == expected_every
     gaps = {b - a for a, b in itertools.pairwise(captured_steps[3:])}
@@ -137,13 +223,159 @@ def test_measure_is_not_timed_as_streaming_overhead():
     assert clock.reads == 2 * 2  # streaming captures are timed: 2 layers, start + stop
 
 
+def _simulate(*, budget, every, emit_every, capture_s, emit_s, steps=160, step_s=1.0):
+    """A training loop on a controllable clock: each step's own work takes ``step_s``, each
+    captured step's captures ``capture_s`` and each emission ``emit_s`` (injected into the probe's
+    real capture and emission paths). Returns the probe and the true overhead, i.e.
+    (time with probe - time of the same steps without probe work) / time without, over the
+    last whole periods of the final schedule (after the warm-up, where the costs are learnt)."""
+    model = build("gpt2")
+    inputs = batch(B=2, T=8)
+    clock = ManualClock()
+    probe = fastspec.Probe(model, ffn=False, budget=budget, every=every, emit_every=emit_every, clock=clock)
+    update, emit = probe._stream.update, probe._emit
+
+    def slow_update(*args, **kwargs):
+        clock.advance(capture_s / 2)  # gpt2: 2 layers of keys per captured forward
+        return update(*args, **kwargs)
+
+    def slow_emit(*args, **kwargs):
+        clock.advance(emit_s)
+        return emit(*args, **kwargs)
+
+    probe._stream.update, probe._emit = slow_update, slow_emit
+    starts, records = [], []
+    with probe.streaming():
+        for step in range(steps):
+            starts.append(clock.t)
+            model(**inputs)
+            clock.advance(step_s)
+            records += [r.value for r in probe.step(step) if r.site == "probe"]
+    starts.append(clock.t)
+    ov = probe.overhead()
+    period = math.lcm(ov["every"], ov["emit_every"])
+    window = (steps // 2) // period * period
+    assert window >= period, "the schedule's period must fit in the second half of the run"
+    true = (starts[-1] - starts[-1 - window] - window * step_s) / (window * step_s)
+    return probe, true, records
+
+
+CASES = [  # budget, every, emit_every, capture cost, emission cost (fractions of a step), steps
+    (None, 1, 5, 0.02, 0.1, 60),
+    (None, 1, 1, 0.02, 0.1, 20),
+    (None, 3, 10, 0.01, 2.0, 80),     # emission dominates
+    (0.01, 1, 5, 0.02, 0.1, 120),     # both over their half of the budget
+    (0.01, 1, 1, 0.001, 0.5, 160),    # emission dominates: emissions spaced out
+    (0.01, 1, 10, 0.001, 0.05, 60),   # fits
+    (0.01, 1, 4, 0.05, 0.01, 80),     # captures dominate: captures spaced out
+    (0.05, 2, 10, 0.2, 0.05, 60),
+]
+
+
+@pytest.mark.parametrize("budget,every,emit_every,capture_s,emit_s,steps", CASES)
+def test_reported_overhead_matches_true_end_to_end_overhead(budget, every, emit_every, capture_s, emit_s, steps):
+    probe, true, records = _simulate(budget=budget, every=every, emit_every=emit_every,
+                                     capture_s=capture_s, emit_s=emit_s, steps=steps)
+    ov = probe.overhead()
+    assert ov["average"] == pytest.approx(true, rel=0.2)
+    assert ov["average"] == pytest.approx(ov["capture"] + ov["emission"])
+    assert records and records[-1] == pytest.approx(true, rel=0.2)  # the overhead_fraction record
+    assert ov["measured"] > 0
+    if budget is None:
+        assert (probe.every, ov["emit_every"]) == (every, emit_every)
+        assert true == pytest.approx(capture_s / every + emit_s / emit_every, rel=1e-6)
+    else:
+        assert true <= budget * 1.1
+        assert ov["emit_every"] % emit_every == 0 and probe.every >= every
+
+
+def test_expensive_emission_is_throttled_and_counted():
+    # without a budget the emission alone costs 50% of a step (0.5 every step);
+    # with budget=0.01 emissions are spaced out until the whole probe fits
+    _, true_free, _ = _simulate(budget=None, every=1, emit_every=1, capture_s=0.001, emit_s=0.5, steps=10)
+    probe, true, _ = _simulate(budget=0.01, every=1, emit_every=1, capture_s=0.001, emit_s=0.5)
+    assert true_free == pytest.approx(0.501)
+    assert true <= 0.01 * 1.1
+    ov = probe.overhead()
+    assert ov["emit_every"] > 1 and ov["emission"] == pytest.approx(0.5 / ov["emit_every"])
+    assert probe.every == 1  # cheap captures keep their rate
+
+
+# ------------------------------------------------------------------ FFN rows
+def _ffn_share(model, widths):
+    return 2 * sum(d * d for d in widths) / (6 * matmul_parameters(model))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_auto_ffn_rows_from_the_flop_model(name):
+    model = build(name)
+    emb = model.transformer.wpe.weight.numel() if name == "gpt2" else model.model.embed_tokens.weight.numel()
+    # every parameter does matmul work per token except the embedding lookups (gpt2: the
+    # token embedding is tied to lm_head, a matmul, so only the position embedding drops out)
+    assert matmul_parameters(model) == sum(p.numel() for p in model.parameters()) - emb
+    d_ff = 4 * 32 if name == "gpt2" else 48
+    share = 2 * 2 * d_ff**2 / (6 * matmul_parameters(model))  # 2 layers, 2·N·d_ff² vs 6·N·P
+    assert share > DEFAULT_FFN_SHARE  # a tiny model: full-rate FFN would be most of a step
+    probe = fastspec.Probe(model)
+    assert probe.ffn_share == pytest.approx(share)
+    assert probe.ffn_rows == math.ceil(share / DEFAULT_FFN_SHARE) == probe.ffn_row_step
+    assert share / probe.ffn_rows <= DEFAULT_FFN_SHARE < share / (probe.ffn_rows - 1)
+    with_budget = fastspec.Probe(model, budget=0.05)  # the budget is the target when set
+    assert with_budget.ffn_rows == math.ceil(share / 0.05)
+    sampled = fastspec.Probe(model, row_step=2)  # global token sampling already halves the cost
+    assert sampled.ffn_rows == math.ceil(share / (2 * DEFAULT_FFN_SHARE))
+    assert sampled.ffn_row_step == 2 * sampled.ffn_rows
+    ov = probe.overhead()
+    assert (ov["ffn_rows"], ov["ffn_row_step"], ov["ffn_share"]) == (probe.ffn_rows, probe.ffn_rows,
+                                                                     pytest.approx(share))
+    assert fastspec.Probe(model, ffn=False).ffn_rows == 1
+
+
+def test_flop_model_helpers():
+    assert ffn_flop_share([100, 100], 6000) == pytest.approx(2 * 2e4 / 36000)
+    assert auto_ffn_rows(0.2, 0.01) == 20 and auto_ffn_rows(0.2, 0.01, row_step=4) == 5
+    assert auto_ffn_rows(0.005, 0.01) == 1
+    assert auto_ffn_rows(0.03, 0.01) == 3  # exactly on target: no extra sampling
+
+
+def _stream_n(probe, model, inputs):
+    with probe.streaming():
+        model(**inputs)
+        records = probe.step(0)
+    return {r.site: r.value for r in records if r.metric == "n"}  # one value per site here
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_ffn_rows_all_int_and_measure(name):
+    model = build(name)
+    inputs = batch(B=3, T=12, pad="right")
+    mask = inputs["attention_mask"]
+    tokens = mask.sum().item()
+    n = _stream_n(fastspec.Probe(model, ffn_rows="all", emit_every=1), model, inputs)
+    assert n == {"keys": tokens, "ffn": tokens}  # full rate
+    n = _stream_n(fastspec.Probe(model, ffn_rows=3, emit_every=1), model, inputs)
+    assert n == {"keys": tokens, "ffn": mask[:, ::3].sum().item()}  # every 3rd token, padding excluded
+    n = _stream_n(fastspec.Probe(model, ffn_rows=2, row_step=2, emit_every=1), model, inputs)
+    assert n == {"keys": mask[:, ::2].sum().item(), "ffn": mask[:, ::4].sum().item()}  # row_step x ffn_rows
+    auto = fastspec.Probe(model, emit_every=1)
+    assert auto.ffn_rows > 1
+    n = _stream_n(auto, model, inputs)
+    assert n["ffn"] == mask[:, ::auto.ffn_rows].sum().item() < tokens
+    # measure() is the eval protocol: every token, whatever ffn_rows says
+    measured = {r.site: r.value for r in auto.measure(inputs, step=1) if r.metric == "n"}
+    assert measured == {"keys": tokens, "ffn": tokens}
+    for bad in (0, -1, 1.5, "half", True):
+        with pytest.raises(ValueError, match="ffn_rows"):
+            fastspec.Probe(model, ffn_rows=bad)
+
+
 @pytest.mark.gpu
 def test_cuda_records_arrive_asynchronously_and_match_cpu():
     model = build("llama")
     inputs = batch(pad="right")
     want = {(r.site, r.layer, r.head, r.metric): r.value for r in fastspec.Probe(model).measure(inputs, step=0)}
     model = model.cuda()
-    probe = fastspec.Probe(model, emit_every=1)
+    probe = fastspec.Probe(model, emit_every=1, ffn_rows="all")
     with probe.streaming():
         model(**{k: v.cuda() for k, v in inputs.items()})
         probe.step(0)

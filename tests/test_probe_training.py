@@ -53,7 +53,7 @@ def test_padding_content_never_reaches_the_metrics(pad):
 def test_attention_mask_passed_positionally_is_honoured():
     model = build("llama")
     inputs = batch(pad="left")
-    probe = fastspec.Probe(model, emit_every=1)
+    probe = fastspec.Probe(model, ffn_rows="all", emit_every=1)
     with probe.streaming():
         model(inputs["input_ids"], inputs["attention_mask"])  # forward(input_ids, attention_mask, ...)
         records = probe.step(0)
@@ -66,7 +66,7 @@ def test_outputs_and_gradients_bitwise_unchanged(family):
     results = []
     for probed in (False, True):
         model = build(family).train()
-        probe = fastspec.Probe(model, queries=True, emit_every=1)
+        probe = fastspec.Probe(model, ffn_rows="all", queries=True, emit_every=1)
         ctx = probe.streaming() if probed else torch.enable_grad()
         with ctx:
             out = _train_step(model, inputs)
@@ -87,7 +87,7 @@ def test_gradient_checkpointing_recompute_is_not_counted_twice():
         model = build("llama").train()
         if ckpt:
             model.gradient_checkpointing_enable()
-        probe = fastspec.Probe(model, emit_every=1)
+        probe = fastspec.Probe(model, ffn_rows="all", emit_every=1)
         with probe.streaming():
             _train_step(model, inputs)
             records = probe.step(0)
@@ -129,7 +129,7 @@ def test_grad_modes_and_autocast(mode):
     model = build("llama")
     inputs = batch(pad="right")
     reference = _by_key(fastspec.Probe(model).measure(inputs, step=0))
-    probe = fastspec.Probe(model, emit_every=1)
+    probe = fastspec.Probe(model, ffn_rows="all", emit_every=1)
     ctx = {"no_grad": torch.no_grad(), "inference_mode": torch.inference_mode(),
            "autocast_bf16": torch.autocast("cpu", dtype=torch.bfloat16)}[mode]
     with probe.streaming():
@@ -158,7 +158,7 @@ def test_attach_then_compile_captures_at_graph_breaks():
     model = build("gpt2")
     inputs = batch(pad="right")
     want = _by_key(fastspec.Probe(model).measure(inputs, step=0))
-    probe = fastspec.Probe(model, emit_every=1).attach()
+    probe = fastspec.Probe(model, ffn_rows="all", emit_every=1).attach()
     compiled = torch.compile(model, backend="eager")  # dynamo tracing without inductor codegen
     compiled(**inputs)
     got = _by_key(probe.step(0))
@@ -188,7 +188,7 @@ def test_streaming_schedule_every_emit_reset_and_running_totals():
 def test_token_sampling_row_step():
     model = build("gpt2")
     inputs = batch(B=2, T=9)
-    probe = fastspec.Probe(model, row_step=3, emit_every=1)
+    probe = fastspec.Probe(model, ffn_rows="all", row_step=3, emit_every=1)
     with probe.streaming():
         model(**inputs)
         assert {r.value for r in probe.step(0) if r.metric == "n"} == {2 * 3}
@@ -319,7 +319,7 @@ def test_warns_when_the_model_bypasses_the_attention_interface(monkeypatch):
 def test_generation_with_kv_cache_counts_each_new_token_once():
     model = build("llama")
     inputs = batch(B=2, T=6, pad="left")
-    probe = fastspec.Probe(model, emit_every=1)
+    probe = fastspec.Probe(model, ffn_rows="all", emit_every=1)
     with probe.streaming():
         model.generate(**inputs, max_new_tokens=4, do_sample=False, pad_token_id=0)
         records = probe.step(0)

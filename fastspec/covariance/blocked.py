@@ -26,6 +26,7 @@ The caller merges the update's ``(n, c, s, G)`` (``G`` exactly symmetric) into i
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -73,6 +74,27 @@ def shared_workspace() -> Workspace:
     if ws is None:
         ws = _local.ws = Workspace()
     return ws
+
+
+_blas_pool = None
+
+
+def _blas_threads_like_torch():
+    """Context in which SciPy's BLAS runs on ``torch.get_num_threads()`` threads, as torch would
+    (without it OpenBLAS takes every core, e.g. 2 against torch's 1 in a one-thread benchmark).
+    A no-op without ``threadpoolctl``."""
+    global _blas_pool
+    if _blas_pool is None:
+        try:
+            import scipy.linalg.blas  # noqa: F401  (load SciPy's BLAS before looking for it)
+            from threadpoolctl import ThreadpoolController
+
+            _blas_pool = ThreadpoolController().select(user_api="blas")
+        except Exception:  # threadpoolctl missing, or a BLAS it cannot drive
+            _blas_pool = False
+    if _blas_pool is False:
+        return contextlib.nullcontext()
+    return _blas_pool.limit(limits=torch.get_num_threads())
 
 
 def _use_syrk(device: torch.device) -> bool:
@@ -165,8 +187,23 @@ def accumulate(x: Tensor, mask: Tensor | None, row_step: int, center: bool, prod
     n = torch.zeros(S, dtype=torch.int64, device=dev)
     rejected = torch.zeros(S, dtype=torch.int64, device=dev)
     rows = max(1, (BLOCK_ELEMS if cpu else CUDA_BLOCK_ELEMS) // max(1, S * D))
-    pending = 0  # rows summed into the float32 block Gram and not yet added to G
     Gb = None if products == torch.float64 else ws.get("Gb", (S, D, D), torch.float32, dev)
+    with _blas_threads_like_torch() if cpu else contextlib.nullcontext():
+        pending = _accumulate_blocks(x, mask, c, products, ws, G, Gb, s_tot, n, rejected, rows, cpu)
+    if pending:
+        G.add_(Gb)
+    if cpu:
+        _symmetrize_lower(G)
+    if c is None:
+        c = torch.zeros(S, D, dtype=products, device=dev)
+    return n, c, s_tot, G, rejected
+
+
+def _accumulate_blocks(x, mask, c, products, ws, G, Gb, s_tot, n, rejected, rows: int, cpu: bool) -> int:
+    """The block loop of :func:`accumulate`; returns rows still pending in the float32 ``Gb``."""
+    B, T, S, D = x.shape
+    dev = x.device
+    pending = 0
     for b0, b1, t0, t1 in _blocks(B, T, rows):
         R = (b1 - b0) * (t1 - t0)
         buf = ws.get("buf", (S, b1 - b0, t1 - t0, D), products, dev)
@@ -205,10 +242,4 @@ def accumulate(x: Tensor, mask: Tensor | None, row_step: int, center: bool, prod
         if pending >= FP32_FLUSH_ROWS:
             G.add_(Gb)
             pending = 0
-    if pending:
-        G.add_(Gb)
-    if cpu:
-        _symmetrize_lower(G)
-    if c is None:
-        c = torch.zeros(S, D, dtype=products, device=dev)
-    return n, c, s_tot, G, rejected
+    return pending

@@ -6,7 +6,8 @@ Sites (SPEC §5):
   query head (queries), ``[B, T, H, d_head]`` rows, intercepted at the attention function
   (``hf_attention.py``) whatever backend the model uses.
 * ``keys_prerope``: keys after ``k_norm`` (or ``k_proj``) and before RoPE, for comparison.
-* ``ffn``: the input of the down projection, ``[B, T, d_ff]`` (forward pre-hook).
+* ``ffn``: the input of the down projection, ``[B, T, d_ff]`` (forward pre-hook); while
+  streaming, by default only every k-th token, sized to the budget (``ffn_rows``, ``budget.py``).
 * ``modules``: any module by name pattern (:class:`ModuleSite`).
 * ``gamma_k`` / ``gamma_q``: coefficient of variation of the Q/K-norm weight γ per layer.
 
@@ -34,7 +35,7 @@ from torch import Tensor, nn
 
 from ..metrics import summarize
 from . import hf_attention
-from .budget import OverheadBudget, WorkTimer
+from .budget import DEFAULT_FFN_SHARE, OverheadBudget, WorkTimer, auto_ffn_rows, ffn_flop_share, matmul_parameters
 from .distributed import all_reduce_covariance, is_distributed
 from .families import DEFAULT_FAMILY, FAMILIES, Family
 from .record import PendingRecords, Record, RecordKey
@@ -99,12 +100,24 @@ class Probe:
             ``"fast"`` everywhere moves a rank-deficient head's key PR by up to ~2e-4. The
             policy and its accuracy: ``fastspec.covariance.policy``.
         exact_sv: deprecated spelling of ``precision``: ``True`` = ``"auto"``, ``False`` = ``"fast"``.
-        every: streaming: capture the forwards of one step in ``every``.
-        emit_every: streaming: compute metrics every ``emit_every`` calls of :meth:`step`.
+        every: streaming: capture the forwards of one step in ``every`` (at least; ``budget``
+            may widen it).
+        emit_every: streaming: compute metrics every ``emit_every`` calls of :meth:`step` (a
+            ``budget`` may skip some when emission alone is too expensive).
         reset: streaming: zero the accumulators after each emission (``False``: running totals).
         row_step: token sampling: keep every ``row_step``-th token of each sequence.
-        budget: streaming overhead budget as a fraction of step time (e.g. ``0.01``); the
-            capture interval adapts to stay under it (``budget.py``). ``None``: no adaptation.
+        budget: streaming overhead budget, probe work as a fraction of the step time without
+            the probe (e.g. ``0.01``). Capture *and* emission work are timed and both count:
+            the capture interval and, when emission alone is too expensive, the emission
+            interval widen to stay under it (``budget.py``). ``None``: no adaptation (the
+            overhead is still measured and reported).
+        ffn_rows: streaming token sampling of the FFN sites, on top of ``row_step``:
+            ``"auto"`` (default) keeps every k-th token with k chosen once from a FLOP model
+            (full-rate FFN Grams cost ``2·N·Σd_ff²`` against ``6·N·P`` for a training step) so
+            that the FFN share is at most ``budget``, or 1% of a step without one
+            (``budget.DEFAULT_FFN_SHARE``); ``"all"``: every token; an int k: every k-th token.
+            Unbiased for the covariance, with ~k× its variance; :meth:`measure` keeps every
+            token. The choice: :attr:`ffn_rows` (k), :attr:`ffn_row_step`, :meth:`overhead`.
         sync: under ``torch.distributed``: ``"all"`` ranks get the global metrics, only
             ``"rank0"``, or ``"none"`` (each rank its own tokens).
         process_group: the data-parallel group to merge over (default: the world).
@@ -123,7 +136,8 @@ class Probe:
                  ffn_convention: str = "eig", backend: str = "auto", precision: str = "auto",
                  exact_sv: bool | None = None, every: int = 1,
                  emit_every: int = 100, reset: bool = True, row_step: int = 1,
-                 budget: float | None = None, sync: str = "all", process_group=None,
+                 budget: float | None = None, ffn_rows: int | str = "auto", sync: str = "all",
+                 process_group=None,
                  tp_rank: int = 0, clock: Callable[[], float] | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -149,11 +163,15 @@ class Probe:
         self.emit_every = _check_pos_int("emit_every", emit_every)
         self.row_step = _check_pos_int("row_step", row_step)
         self.sync, self.process_group, self.tp_rank = sync, process_group, tp_rank
-        self._budget = OverheadBudget(budget, _check_pos_int("every", every))
+        self._budget = OverheadBudget(budget, _check_pos_int("every", every), self.emit_every)
+        if not (ffn_rows in ("auto", "all") or (isinstance(ffn_rows, int) and not isinstance(ffn_rows, bool)
+                                                 and ffn_rows >= 1)):
+            raise ValueError(f"ffn_rows: expected 'auto', 'all' or an int >= 1, got {ffn_rows!r}")
         self._timer = WorkTimer(clock)
         self.model, self._compiled = _unwrap_compiled(model)
         self.module_sites = self._module_sites(modules)
         self.family = self._resolve_family()
+        self.ffn_rows, self.ffn_share = self._choose_ffn_rows(ffn_rows, budget)
 
         self._stream = Collector(self.backend, self.precision)
         self._target: Collector | None = None   # where captures go right now
@@ -226,13 +244,16 @@ class Probe:
         return mask if mask.device == x.device else mask.to(x.device, non_blocking=True)
 
     def _capture_eager(self, site: str, layer: int | None, x: Tensor, *, headed: bool, convention: str,
-                 head_offset: int = 0) -> None:
+                 head_offset: int = 0, stream_row_step: int | None = None) -> None:
         target = self._target
         if target is None or self._depth == 0:
             return  # outside the model's own forward: e.g. the checkpoint recompute in backward
         # only streaming work is the budget's to time: measure() captures would pile up CUDA
         # events (never popped without step()) and count against the streaming interval
-        token = self._timer.start(x.device) if target is self._stream else None
+        streaming = target is self._stream
+        token = self._timer.start(x.device) if streaming else None
+        # a site's own streaming row step (FFN: ffn_row_step); measure() is the eval protocol
+        row_step = stream_row_step if streaming and stream_row_step is not None else self.row_step
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.no_grad())
             # inference-mode tensors may be read outside inference mode; the state must not become one
@@ -241,9 +262,9 @@ class Probe:
                 stack.enter_context(torch.autocast(x.device.type, enabled=False))
             x = x.detach()
             target.update(site, layer, x, self._mask_for(x), headed=headed, convention=convention,
-                          head_offset=head_offset, row_step=self.row_step)
+                          head_offset=head_offset, row_step=row_step)
         if token is not None:
-            self._timer.stop(token)
+            self._timer.stop(token, "capture")
 
     def _on_attention(self, layer: int):
         def callback(module, query: Tensor, key: Tensor) -> None:
@@ -337,8 +358,42 @@ class Probe:
         def hook(module, args):
             x = first_tensor(args)
             if x is not None and x.is_floating_point():
-                self._capture("ffn", layer, x, headed=False, convention=self.ffn_convention)
+                self._capture("ffn", layer, x, headed=False, convention=self.ffn_convention,
+                              stream_row_step=self.ffn_row_step)
         return hook
+
+    @property
+    def ffn_row_step(self) -> int:
+        """Streaming FFN sites keep every ``ffn_row_step``-th token (``row_step × ffn_rows``)."""
+        return self.row_step * self.ffn_rows
+
+    def _ffn_widths(self) -> list[int]:
+        """``d_ff`` of every FFN site (the down projection's input width), where it can be told."""
+        widths = []
+        for _, mod, _ in self._matches(self.family.ffn if self.family is not None else None):
+            d = getattr(mod, "in_features", None)  # nn.Linear
+            if not isinstance(d, int):
+                d = getattr(mod, "nx", None)  # transformers Conv1D (GPT-2)
+            if not isinstance(d, int):
+                d = getattr(getattr(self.model, "config", None), "intermediate_size", None)
+            if isinstance(d, int) and d > 0:
+                widths.append(d)
+        return widths
+
+    def _choose_ffn_rows(self, ffn_rows: int | str, budget: float | None) -> tuple[int, float | None]:
+        """``(k, FLOP share of full-rate FFN streaming)``: see ``ffn_rows`` and ``budget.py``."""
+        if not self.ffn:
+            return 1, None
+        widths, params = self._ffn_widths(), matmul_parameters(self.model)
+        share = ffn_flop_share(widths, params) if widths and params > 0 else None
+        if ffn_rows == "all":
+            return 1, share
+        if ffn_rows != "auto":
+            return ffn_rows, share
+        if share is None:  # cannot size it: stream every token
+            return 1, None
+        target = DEFAULT_FFN_SHARE if budget is None else budget
+        return auto_ffn_rows(share, target, self.row_step), share
 
     def _module_hook(self, spec: ModuleSite, layer: int | None):
         def hook(module, args, output=None):
@@ -465,37 +520,45 @@ class Probe:
         """Call once per optimizer step, after its forwards/backward. Streaming bookkeeping:
 
         * every ``emit_every`` calls, computes metrics of the accumulated tokens (global under
-          ``torch.distributed``) and resets them (``reset=True``) or keeps running totals;
-        * measures the probe's overhead and, with ``budget``, chooses the capture interval;
+          ``torch.distributed``) and resets them (``reset=True``) or keeps running totals; with
+          a ``budget``, an emission too expensive for it skips some of these steps (the effective
+          interval, a multiple of ``emit_every``, is ``overhead()["emit_every"]``);
+        * times the probe's work (captures and emission) against the step time and, with
+          ``budget``, chooses the capture and emission intervals (``budget.py``);
         * decides whether the next step's forwards are captured (one step in ``every``).
 
         Under ``torch.distributed`` (``sync`` not ``"none"``) emission is a collective: every rank
-        must call ``step`` the same number of times.
+        must call ``step`` the same number of times (the emission interval is then not adapted).
 
         Never syncs the device: returns the records whose values have already reached the host
         (on CPU: this emission's; on CUDA usually the previous one's). :meth:`records` waits.
         """
         if not isinstance(step, int) or isinstance(step, bool):
             raise TypeError(f"step: expected an int, got {type(step).__name__}")
+        budget = self._budget
+        # ranks time differently: a collective emission must not follow per-rank timings
+        budget.adapt_emission = self.sync == "none" or not is_distributed()
         self._steps_seen += 1
-        if self._steps_seen % self.emit_every == 0:
+        emitting = budget.emit_due(self._steps_seen)
+        if emitting:
+            budget.emitted(self._steps_seen)
             token = self._timer.start(self._device())
-            overhead = self._budget.average_fraction
+            overhead = budget.average_fraction
             extra = () if overhead is None else ((("probe", None, None, "overhead_fraction"), overhead),)
             pending = self._emit(self._stream, step, tokens_seen, extra=extra)
             if pending is not None:
                 self._pending.append(pending)
             if self.reset_after_emit:
                 self._stream.reset()
-            self._timer.stop(token)
+            self._timer.stop(token, "emit")
         now = self._timer.clock()
         step_s = None if self._last_step_t is None else now - self._last_step_t
-        # each step's work is judged with that step's time and capture flag, once its CUDA events are done
-        for work_s, (s, active) in self._timer.close_step((step_s, self._capture_this_step)):
+        # each step's work is judged with that step's time and flags, once its CUDA events are done
+        for work, (s, captured, emitted) in self._timer.close_step((step_s, self._capture_this_step, emitting)):
             if s is not None:
-                self._budget.observe(work_s, s, active)
+                budget.observe(work["capture"], work["emit"], s, captured, emitted)
         self._last_step_t = now
-        self._capture_this_step = self._steps_seen % self._budget.every == 0
+        self._capture_this_step = budget.capture_due(self._steps_seen)
         if self._streaming:
             self._target = self._stream if self._capture_this_step else None
         return self._flush(block=False)
@@ -506,9 +569,23 @@ class Probe:
         return self._budget.every
 
     def overhead(self) -> dict:
-        """``{"fraction": last step's work/step time, "average": expected per-step fraction, "every": k}``."""
-        return {"fraction": self._budget.last_fraction, "average": self._budget.average_fraction,
-                "every": self._budget.every}
+        """The probe's streaming cost, as fractions of the step time without the probe:
+
+        * ``"average"``: expected overhead per step at the current intervals (captured and idle
+          steps, emitting or not), ``"capture"`` + ``"emission"`` (``budget.py``); what the
+          ``overhead_fraction`` record reports;
+        * ``"measured"``: all probe work so far / all probe-free step time so far;
+        * ``"fraction"``: the last accounted step's work / its probe-free time;
+        * ``"every"``, ``"emit_every"``: current capture and (effective) emission intervals;
+        * ``"ffn_rows"``, ``"ffn_row_step"``, ``"ffn_share"``: FFN token sampling (every
+          ``ffn_row_step``-th token streamed) and the FLOP share full-rate FFN would cost.
+        Values not measured yet are ``None``.
+        """
+        b = self._budget
+        return {"fraction": b.last_fraction, "average": b.average_fraction, "capture": b.capture_fraction,
+                "emission": b.emit_fraction, "measured": b.measured_fraction, "every": b.every,
+                "emit_every": b.emit_every, "ffn_rows": self.ffn_rows, "ffn_row_step": self.ffn_row_step,
+                "ffn_share": self.ffn_share}
 
     def _device(self) -> torch.device | None:
         for acc in self._stream.accs.values():
