@@ -16,10 +16,11 @@ CPU = torch.device("cpu")
 
 
 def _by_kind(tier: str = "quick") -> dict[str, object]:
-    return {c.size.split("-")[0]: c for c in cases("probe", tier, CPU)}
+    return {c.size.split("-")[0] + ("_fast" if c.variant.endswith("-fast") else ""): c
+            for c in cases("probe", tier, CPU)}
 
 
-def test_probe_suite_is_registered_with_three_cases_per_tier():
+def test_probe_suite_is_registered_with_four_cases_per_tier():
     assert "probe" in SUITES
     for tier in ("quick", "cpu", "gpu"):
         got = {kind: (c.variant, list(c.baselines), c.overhead) for kind, c in _by_kind(tier).items()}
@@ -27,6 +28,7 @@ def test_probe_suite_is_registered_with_three_cases_per_tier():
             "measure": ("keys", ["plain forward (eval, no_grad)"], True),
             "train_step": ("keys-emit_every=100", ["training step without probe"], True),
             "rank": ("covariance-sv", ["svdvals per head"], False),
+            "rank_fast": ("covariance-sv-fast", ["svdvals per head"], False),
         }
 
 
@@ -46,7 +48,7 @@ def test_gpu_cases_are_built_without_building_a_model_or_keys(monkeypatch):
     for module in (cases_models, cases_probe):
         monkeypatch.setattr(module, "build_llama", no_build)
     monkeypatch.setattr(cases_probe, "synthetic_keys", no_build)
-    assert len(cases("probe", "gpu", CPU)) == 3
+    assert len(cases("probe", "gpu", CPU)) == 4
 
 
 def test_every_side_runs_once_and_the_checks_return_finite_errors():
@@ -75,7 +77,7 @@ def test_runner_rows_carry_overhead_for_the_probe_cases_only():
     pytest.importorskip("transformers")
     rows = run_cases(cases("probe", "quick", CPU), CPU, warmup=0, repeats=1)
     assert [r for r in rows if "error" in r or "skipped" in r] == []
-    assert len(rows) == 3
+    assert len(rows) == 4
     for r in rows:
         assert r["suite"] == "probe" and r["fastspec_s"] > 0 and r["baseline_s"] > 0
         if r["size"].startswith("rank-"):
@@ -88,7 +90,7 @@ def test_model_cases_skip_cleanly_without_transformers(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
     kinds = _by_kind()
     assert "transformers" in kinds["measure"].skip and "transformers" in kinds["train_step"].skip
-    assert kinds["rank"].skip is None  # the rank computation needs no model
+    assert kinds["rank"].skip is None and kinds["rank_fast"].skip is None  # no model needed
 
 
 def test_synthetic_keys_are_deterministic_and_rank_deficient_before_rope():

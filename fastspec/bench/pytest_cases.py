@@ -80,7 +80,7 @@ def assert_accuracy(case: Case, errors: dict) -> None:
     elif case.suite == "train_step":
         assert fast == 0, f"{case.id}: the probe changed the loss by {fast:.3g}"
     elif case.suite == "probe":
-        from .cases_probe import PR_TARGET
+        from .cases_probe import FAST_PR_BOUND, PR_TARGET
 
         if case.size.startswith("train_step-"):
             assert fast == 0, f"{case.id}: the probe changed the loss by {fast:.3g}"
@@ -88,8 +88,9 @@ def assert_accuracy(case: Case, errors: dict) -> None:
             base = errors["svdvals_fp32_pr_rel_err"]
             assert within_bound(fast, base), (
                 f"{case.id}: fastspec error {fast:.3g} > 2 × svdvals fp32 {base:.3g} + {FLOOR_EPS}·eps")
-        else:  # rank: issue 13's parity target with float64 svdvals
-            assert fast <= PR_TARGET, f"{case.id}: PR rel err vs fp64 {fast:.3g} > {PR_TARGET:g}"
+        else:  # rank: issue 13's parity target with float64 svdvals (float32 products: looser)
+            bound = FAST_PR_BOUND if case.variant.endswith("-fast") else PR_TARGET
+            assert fast <= bound, f"{case.id}: PR rel err vs fp64 {fast:.3g} > {bound:g}"
 
 
 def run_benchmark(benchmark, case: Case, side: str, *, rounds: int = 5, warmup: int = 2) -> None:
