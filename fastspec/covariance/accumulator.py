@@ -261,7 +261,7 @@ class Covariance:
         """Chan et al.: merge chunk ``(nb, mean_b, m2_b)`` into the running (n, mean, m2), in place.
 
         ``m2_b = G − s sᵀ/nb`` (``s``/``inv_nb`` given: sums about a shift) or ``G`` itself. The
-        D×D updates are in-place rank-1 corrections, with no D×D temporaries.
+        D×D updates are in place (one batched rank-2 or rank-1 product), with no D×D temporaries.
         """
         na = st["n"].double()
         nbd = nb.double()
@@ -360,7 +360,6 @@ class Covariance:
         float64 elsewhere (``fastspec.covariance.policy``). A site without a defined matrix
         (``eig`` with fewer than 2 rows) gets an all-NaN spectrum.
         """
-        _check_convention(convention)
         return spectra(self.matrix(convention), convention, dtype=dtype)
 
     def metrics(self, convention: str = "eig", *, dtype: torch.dtype | None = None) -> SpectrumMetrics:

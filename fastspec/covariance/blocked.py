@@ -130,11 +130,11 @@ def _shift(x: Tensor, mask: Tensor | None, dtype: torch.dtype) -> Tensor:
 
     Rounded to the input dtype first, so that ``x − c`` of nearby rows is formed exactly."""
     B, T, S, D = x.shape
-    rows = x[:, : max(1, -(-CENTER_ROWS // B))].reshape(-1, S, D)[:CENTER_ROWS].to(dtype)
+    per_seq = max(1, -(-CENTER_ROWS // B))  # the first rows of every sequence
+    rows = x[:, :per_seq].reshape(-1, S, D)[:CENTER_ROWS].to(dtype)
     ok = torch.isfinite(rows).all(-1)  # [r, S]
     if mask is not None:
-        m = mask[:, : max(1, -(-CENTER_ROWS // B))].reshape(-1)[:CENTER_ROWS]
-        ok &= m[:, None]
+        ok &= mask[:, :per_seq].reshape(-1)[:CENTER_ROWS, None]
     cnt = ok.sum(0).clamp_min(1).to(dtype)
     c = torch.where(ok[..., None], rows, 0).sum(0) / cnt[:, None]
     return c.to(x.dtype).to(dtype) if x.dtype != torch.float64 else c
@@ -188,8 +188,45 @@ def accumulate(x: Tensor, mask: Tensor | None, row_step: int, center: bool, prod
     rejected = torch.zeros(S, dtype=torch.int64, device=dev)
     rows = max(1, (BLOCK_ELEMS if cpu else CUDA_BLOCK_ELEMS) // max(1, S * D))
     Gb = None if products == torch.float64 else ws.get("Gb", (S, D, D), torch.float32, dev)
+    pending = 0  # rows summed into the float32 Gb and not yet added to G
     with _blas_threads_like_torch() if cpu else contextlib.nullcontext():
-        pending = _accumulate_blocks(x, mask, c, products, ws, G, Gb, s_tot, n, rejected, rows, cpu)
+        for b0, b1, t0, t1 in _blocks(B, T, rows):
+            R = (b1 - b0) * (t1 - t0)
+            buf = ws.get("buf", (S, b1 - b0, t1 - t0, D), products, dev)
+            buf.copy_(x[b0:b1, t0:t1].permute(2, 0, 1, 3))
+            a = buf.view(S, R, D)
+            if c is not None:
+                a.sub_(c[:, None, :])
+            m = None if mask is None else mask[b0:b1, t0:t1].reshape(R)
+            if m is not None and cpu and bool(m.all()):
+                m = None  # nothing padded: skip the fill (on CUDA this test would sync)
+            if m is not None:
+                a.masked_fill_(~m[None, :, None], 0)
+            s_b = a.sum(1, dtype=torch.float64)
+            if cpu and bool(torch.isfinite(s_b).all()):
+                n += R if m is None else m.sum()
+            else:
+                n_ok, n_bad = _reject_rows(a, m)
+                n += n_ok
+                rejected += n_bad
+                s_b = a.sum(1, dtype=torch.float64)
+            s_tot += s_b
+            if Gb is None:  # float64 products straight into the float64 total
+                if cpu:
+                    _syrk_into(G, a, 1.0)
+                else:
+                    G.baddbmm_(a.mT, a)
+                continue
+            if cpu:
+                _syrk_into(Gb, a, 1.0 if pending else 0.0)
+            elif pending:
+                Gb.baddbmm_(a.mT, a)
+            else:
+                torch.bmm(a.mT, a, out=Gb)
+            pending += R
+            if pending >= FP32_FLUSH_ROWS:
+                G.add_(Gb)
+                pending = 0
     if pending:
         G.add_(Gb)
     if cpu:
@@ -197,49 +234,3 @@ def accumulate(x: Tensor, mask: Tensor | None, row_step: int, center: bool, prod
     if c is None:
         c = torch.zeros(S, D, dtype=products, device=dev)
     return n, c, s_tot, G, rejected
-
-
-def _accumulate_blocks(x, mask, c, products, ws, G, Gb, s_tot, n, rejected, rows: int, cpu: bool) -> int:
-    """The block loop of :func:`accumulate`; returns rows still pending in the float32 ``Gb``."""
-    B, T, S, D = x.shape
-    dev = x.device
-    pending = 0
-    for b0, b1, t0, t1 in _blocks(B, T, rows):
-        R = (b1 - b0) * (t1 - t0)
-        buf = ws.get("buf", (S, b1 - b0, t1 - t0, D), products, dev)
-        buf.copy_(x[b0:b1, t0:t1].permute(2, 0, 1, 3))
-        a = buf.view(S, R, D)
-        if c is not None:
-            a.sub_(c[:, None, :])
-        m = None if mask is None else mask[b0:b1, t0:t1].reshape(R)
-        if m is not None and cpu and bool(m.all()):
-            m = None  # nothing padded: skip the fill (on CUDA this test would sync)
-        if m is not None:
-            a.masked_fill_(~m[None, :, None], 0)
-        kept = R if m is None else m.sum()
-        s_b = a.sum(1, dtype=torch.float64)
-        if cpu and bool(torch.isfinite(s_b).all()):
-            n += kept
-        else:
-            n_ok, n_bad = _reject_rows(a, m)
-            n += n_ok
-            rejected += n_bad
-            s_b = a.sum(1, dtype=torch.float64)
-        s_tot += s_b
-        if Gb is None:  # float64 products straight into the float64 total
-            if cpu:
-                _syrk_into(G, a, 1.0)
-            else:
-                G.baddbmm_(a.mT, a)
-            continue
-        if cpu:
-            _syrk_into(Gb, a, 1.0 if pending else 0.0)
-        elif pending:
-            Gb.baddbmm_(a.mT, a)
-        else:
-            torch.bmm(a.mT, a, out=Gb)
-        pending += R
-        if pending >= FP32_FLUSH_ROWS:
-            G.add_(Gb)
-            pending = 0
-    return pending

@@ -210,9 +210,6 @@ class OverheadBudget:
         """All probe work so far over all base (probe-free) step time so far."""
         return None if self.base_s <= 0 else self.work_s / self.base_s
 
-    # Former name of ``capture_cost`` (kept for callers of the pre-emission-accounting API).
-    active_cost = property(lambda self: self.capture_cost)
-
     def state_dict(self) -> dict:
         return {"every": self.every, "emit_every": self.emit_every, "capture_cost": self.capture_cost,
                 "emit_cost": self.emit_cost, "last_fraction": self.last_fraction,

@@ -48,6 +48,7 @@ def all_reduce_covariance(cov: Covariance, group=None) -> Covariance:
         m2 = st["m2"] + delta[:, :, None] * delta[:, None, :] * n_local[:, None, None]
         dist.all_reduce(m2, op=SUM, group=group)
         st["mean"], st["m2"] = mu, m2
-    out = Covariance((*cov.sites, cov.D), track_mean=cov.track_mean, backend=cov.backend)
+    out = Covariance((*cov.sites, cov.D), track_mean=cov.track_mean, backend=cov.backend,
+                     precision=cov.precision)
     out.load_state_dict({"dim": sd["dim"], "track_mean": cov.track_mean, "state": st})
     return out
