@@ -639,7 +639,7 @@ class Probe:
                 start += S
                 n = cov.n.double().reshape(-1)
                 top = spec[sl, 0].double()
-                lam_max = top if convention == "eig" else top.square() / n  # of XᵀX/n (SPEC §4)
+                lam_max = top if convention == "eig" else top.square() / n  # sv: top eigenvalue of XᵀX/n
                 blocks[i] = torch.cat([cols[:, sl], torch.stack([lam_max, n, cov.rejected.double().reshape(-1)])])
         for i, (key, acc, cov) in enumerate(items):
             yield key, acc, cov, blocks[i]
