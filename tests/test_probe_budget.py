@@ -233,7 +233,7 @@ def _simulate(*, budget, every, emit_every, capture_s, emit_s, steps=160, step_s
     inputs = batch(B=2, T=8)
     clock = ManualClock()
     probe = fastspec.Probe(model, ffn=False, budget=budget, every=every, emit_every=emit_every, clock=clock)
-    update, emit = probe._stream.update, probe._emit
+    update, emit = probe._stream.update, probe._emitter.records
 
     def slow_update(*args, **kwargs):
         clock.advance(capture_s / 2)  # gpt2: 2 layers of keys per captured forward
@@ -243,7 +243,7 @@ def _simulate(*, budget, every, emit_every, capture_s, emit_s, steps=160, step_s
         clock.advance(emit_s)
         return emit(*args, **kwargs)
 
-    probe._stream.update, probe._emit = slow_update, slow_emit
+    probe._stream.update, probe._emitter.records = slow_update, slow_emit
     starts, records = [], []
     with probe.streaming():
         for step in range(steps):

@@ -1,5 +1,5 @@
 """Distributed merge: 2 gloo processes on CPU, each with half of the batch, see the metrics a
-single process computes on the whole batch (SPEC §1: the sums merge exactly)."""
+single process computes on the whole batch (the sums merge exactly: docs/accumulators.md)."""
 from __future__ import annotations
 
 import os
@@ -11,7 +11,6 @@ import torch.multiprocessing as mp
 from _tiny_models import batch, build
 
 import fastspec
-from fastspec.probe.distributed import all_reduce_covariance
 
 WORLD = 2
 
@@ -39,9 +38,11 @@ def _worker(rank: int, tmpdir: str) -> None:
             model(**inputs)
             out["rank0"] = probe.step(0)
         cov = fastspec.Covariance(5).update(_large_mean_rows(rank))
-        merged = all_reduce_covariance(cov)
+        merged = cov.all_reduce()
         out["cov"] = (merged.n.clone(), merged.mean.clone(), merged.covariance().clone())
         out["local_n"] = cov.n.clone()  # the rank's own accumulator is untouched
+        raw = fastspec.Covariance(5, track_mean=False).update(_large_mean_rows(rank)).all_reduce()
+        out["raw"] = (raw.n.clone(), raw.gram().clone(), raw.track_mean)
         torch.save(out, os.path.join(tmpdir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -79,6 +80,10 @@ def test_two_rank_gloo_merge_equals_single_process(tmp_path):
         torch.testing.assert_close(mean, rows.mean(0), rtol=1e-14, atol=0)
         torch.testing.assert_close(cov, torch.cov(rows.T), rtol=1e-9, atol=1e-12)
     assert [out["local_n"].item() for out in outs] == [50, 80]
+    for out in outs:  # raw sums (sv sites) add as they are
+        n, gram, track_mean = out["raw"]
+        assert n.item() == rows.shape[0] and not track_mean
+        torch.testing.assert_close(gram, rows.T @ rows, rtol=1e-13, atol=0)
 
 
 def test_tensor_parallel_rank_reports_global_head_indices():

@@ -67,7 +67,7 @@ def _keys_by_hand(model, inputs: dict) -> dict[int, torch.Tensor]:
 
 
 def _key_rank_by_hand(K: torch.Tensor) -> torch.Tensor:
-    """SPEC §5: sv-PR per head of ``K: [N, H, D]`` -> ``[H]``."""
+    """The key-rank protocol (docs/protocols.md): sv-PR per head of ``K: [N, H, D]`` -> ``[H]``."""
     return torch.stack([participation_ratio(torch.linalg.svdvals(K[:, h].float()).double())
                         for h in range(K.shape[1])])
 
@@ -134,6 +134,56 @@ def test_ffn_eig_metrics_match_covariance_eigvalsh():
             assert got[metric] == pytest.approx(getattr(want, metric).item(), rel=RTOL), metric
         assert got["lambda_max"] == pytest.approx(lam[0].item(), rel=RTOL)
         assert got["n"] == X.shape[0]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_spectra_are_the_hand_protocol_spectra_and_give_the_records(family):
+    model = build(family)
+    inputs = batch(B=3, T=12, pad="left")
+    probe = fastspec.Probe(model)
+    spectra = probe.spectra(inputs)
+    kv_heads = model.config.num_key_value_heads
+    assert sorted(spectra) == [("ffn", 0), ("ffn", 1), ("keys", 0), ("keys", 1)]
+    for layer, K in _keys_by_hand(model, inputs).items():
+        want = torch.linalg.svdvals(K.double().transpose(0, 1))  # [H, d_head] descending
+        got = spectra[("keys", layer)]
+        assert got.shape == (kv_heads, K.shape[-1]) and got.dtype == torch.float64
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * float(want.max()))
+    keep = inputs["attention_mask"].bool()
+    captured = {}
+    handles = [layer.mlp.down_proj.register_forward_pre_hook(
+        lambda m, a, i=i: captured.__setitem__(i, a[0].detach())) for i, layer in enumerate(model.model.layers)]
+    with torch.no_grad():
+        model(**inputs)
+    for h in handles:
+        h.remove()
+    for layer, x in captured.items():
+        lam = torch.linalg.eigvalsh(torch.cov(x[keep].double().T)).flip(-1)
+        got = spectra[("ffn", layer)]
+        assert got.shape == (x.shape[-1],)
+        torch.testing.assert_close(got, lam, rtol=1e-4, atol=1e-5 * float(lam[0]))
+    # the records of a measurement are the metrics of these spectra
+    records = probe.measure(inputs, step=0)
+    pr = _probe_values(records, "keys", "participation_ratio")
+    for layer in (0, 1):
+        for h, value in enumerate(participation_ratio(spectra[("keys", layer)]).tolist()):
+            assert pr[(layer, h)] == pytest.approx(value, rel=1e-12)
+    assert probe.records() == records  # spectra() records nothing
+
+
+def test_spectra_without_a_batch_are_the_streaming_totals():
+    model = build("llama")
+    inputs = batch(B=2, T=10)
+    probe = fastspec.Probe(model, ffn=False, emit_every=1000)
+    assert probe.spectra() == {}
+    with probe.streaming():
+        model(**inputs)
+        model(**inputs)
+    streamed = probe.spectra()
+    once = probe.spectra(inputs)
+    assert sorted(streamed) == sorted(once) == [("keys", 0), ("keys", 1)]
+    for key in once:  # the same rows twice: every singular value scales by sqrt(2)
+        torch.testing.assert_close(streamed[key], once[key] * 2 ** 0.5, rtol=1e-9, atol=1e-12)
 
 
 def test_queries_per_query_head_and_gqa_keys_per_kv_head():

@@ -1,4 +1,4 @@
-"""Plain-torch reference for one update of the streaming covariance (SPEC.md §1).
+"""Plain-torch reference for one update of the streaming covariance (docs/accumulators.md).
 
 This is the ground truth every covariance kernel is tested against, and the CPU path.
 
@@ -13,7 +13,7 @@ One call reduces a batch of activation rows to *partials* about a per-site cente
     rejected[s] = rows with mask true but a NaN/Inf in site s (never merged into the sums)
 
 Centering on the chunk mean before the products is what keeps the covariance accurate when a
-channel's mean is large against its spread (the ``G − s sᵀ/n`` cancellation of SPEC §1). The
+channel's mean is large against its spread (the ``G − s sᵀ/n`` cancellation, docs/accumulators.md). The
 caller turns partials into the chunk mean ``c + s/n`` and centered sum ``G − s sᵀ/n`` in float64.
 Sums run in float32 for fp32/fp16/bf16 input and float64 for float64 input.
 """

@@ -1,4 +1,4 @@
-"""Triton kernels for one streaming covariance update (SPEC.md §1); launcher in ``triton_update.py``.
+"""Triton kernels for one streaming covariance update (docs/accumulators.md); launcher in ``triton_update.py``.
 
 Design envelope
 ---------------

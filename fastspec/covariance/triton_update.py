@@ -1,4 +1,4 @@
-"""Launcher of the Triton covariance-update kernels (``triton_kernels.py``), SPEC.md §1.
+"""Launcher of the Triton covariance-update kernels (``triton_kernels.py``) (docs/accumulators.md).
 
 :func:`covariance_partials_triton` has the contract of
 :func:`fastspec.covariance.reference.covariance_partials_reference`, except that the center

@@ -1,7 +1,7 @@
 """The demo's training loop: three conditions, same seed and data order, probed on a schedule.
 
 Every ``probe_every`` steps (and before the first and after the last step) each model runs the
-SPEC §5 eval protocol through :class:`fastspec.Probe` on the fixed held-out batch: post-RoPE
+eval protocol (docs/protocols.md) through :class:`fastspec.Probe` on the fixed held-out batch: post-RoPE
 key PR per head (``sv``), FFN post-activation metrics (``eig``) and, for QK-norm models, the
 γ coefficient of variation. Eval and train loss are recorded at the same steps. Records are
 appended to ``records.jsonl`` as they are produced, so Ctrl-C leaves a readable run folder;
@@ -151,45 +151,20 @@ def _train_condition(condition: str, cfg: DemoConfig, train_tokens, batch_eval: 
             if done % cfg.probe_every == 0 or done == cfg.steps:
                 measure(done)
     except KeyboardInterrupt:
-        spectra.update(_final_spectra(condition, model, batch_eval))  # the stopped model is plotted too
+        spectra.update(_final_spectra(condition, probe, batch_eval))  # the stopped model is plotted too
         raise
     finally:
         if bar is not None:
             bar.close()
-    spectra.update(_final_spectra(condition, model, batch_eval))
+    spectra.update(_final_spectra(condition, probe, batch_eval))
 
 
-@torch.no_grad()
-def _final_spectra(condition: str, model: torch.nn.Module, batch: dict) -> dict[str, np.ndarray]:
-    """FFN post-activation covariance spectra (SPEC §5, ``eig``) per layer, for the spectrum plots.
-
-    The probe's records carry metrics, not whole spectra, so one extra eval forward feeds the
-    inputs of every ``mlp.down_proj`` ``[B, T, d_ff]`` into a :class:`fastspec.Covariance`.
-    Returns {"<condition>/ffn/layer<l>": λ descending [d_ff]}.
-    """
-    from ..covariance import Covariance
-
-    covs: dict[int, Covariance] = {}
-    handles = []
-    for name, module in model.named_modules():
-        if name.endswith("mlp.down_proj") and ".layers." in name:
-            layer = int(name.split(".layers.")[1].split(".")[0])
-
-            def hook(_module, args, layer=layer):
-                x = args[0]  # [B, T, d_ff]
-                cov = covs.setdefault(layer, Covariance(x.shape[-1], device=x.device))
-                cov.update(x, batch["attention_mask"].bool())
-            handles.append(module.register_forward_pre_hook(hook))
-    was_training = model.training
-    model.eval()
-    try:
-        model(**batch)
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was_training)
-    return {f"{condition}/ffn/layer{layer}": cov.spectrum("eig").cpu().numpy()
-            for layer, cov in sorted(covs.items())}
+def _final_spectra(condition: str, probe, batch: dict) -> dict[str, np.ndarray]:
+    """FFN post-activation covariance spectra (``eig``, docs/protocols.md) per layer, for the
+    spectrum plots: ``{"<condition>/ffn/layer<l>": λ descending [d_ff]}`` from one eval forward
+    of the probe (:meth:`fastspec.Probe.spectra`)."""
+    return {f"{condition}/ffn/layer{layer}": spec.cpu().numpy()
+            for (site, layer), spec in probe.spectra(batch).items() if site == "ffn"}
 
 
 def run_demo(cfg: DemoConfig, out_dir, *, progress: bool = True) -> tuple[Path, str]:

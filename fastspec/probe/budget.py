@@ -73,6 +73,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .families import Family, matches
+
 KINDS = ("capture", "emit")
 
 #: FLOP model of the FFN subsampling: FLOPs per row and per entry of a ``d x d`` Gram (a full
@@ -113,6 +115,40 @@ def auto_ffn_rows(share: float, target: float, row_step: int = 1) -> int:
     if not target > 0:
         raise ValueError(f"target: expected > 0, got {target!r}")
     return max(1, math.ceil(share / (row_step * target) - 1e-9))
+
+
+def ffn_widths(model: nn.Module, family: Family | None) -> list[int]:
+    """``d_ff`` of every FFN site (the down projection's input width), where it can be told."""
+    widths = []
+    for _, mod, _ in matches(model, family.ffn if family is not None else None):
+        d = getattr(mod, "in_features", None)  # nn.Linear
+        if not isinstance(d, int):
+            d = getattr(mod, "nx", None)  # transformers Conv1D (GPT-2)
+        if not isinstance(d, int):
+            d = getattr(getattr(model, "config", None), "intermediate_size", None)
+        if isinstance(d, int) and d > 0:
+            widths.append(d)
+    return widths
+
+
+def choose_ffn_rows(model: nn.Module, family: Family | None, ffn: bool, ffn_rows: int | str,
+                     budget: float | None, row_step: int) -> tuple[int, float | None]:
+    """``(k, FLOP share of full-rate FFN streaming)``: see ``Probe(ffn_rows=)`` and ``budget.py``."""
+    if not (ffn_rows in ("auto", "all") or (isinstance(ffn_rows, int) and not isinstance(ffn_rows, bool)
+                                             and ffn_rows >= 1)):
+        raise ValueError(f"ffn_rows: expected 'auto', 'all' or an int >= 1, got {ffn_rows!r}")
+    if not ffn:
+        return 1, None
+    widths, params = ffn_widths(model, family), matmul_parameters(model)
+    share = ffn_flop_share(widths, params) if widths and params > 0 else None
+    if ffn_rows == "all":
+        return 1, share
+    if ffn_rows != "auto":
+        return ffn_rows, share
+    if share is None:  # cannot size it: stream every token
+        return 1, None
+    target = DEFAULT_FFN_SHARE if budget is None else budget
+    return auto_ffn_rows(share, target, row_step), share
 
 
 class OverheadBudget:

@@ -4,8 +4,8 @@ Attention keys and queries need no table: every supported family calls the regis
 attention function with post-RoPE ``query_states``/``key_states`` (see ``hf_attention.py``).
 The table below only says, per ``config.model_type``, which modules are
 
-* ``ffn``: the down projection, whose *input* is the FFN post-activation (SPEC §5);
-* ``k_norm``/``q_norm``: the per-head Q/K RMSNorm (its weight is γ, SPEC §5), if any;
+* ``ffn``: the down projection, whose *input* is the FFN post-activation (docs/protocols.md);
+* ``k_norm``/``q_norm``: the per-head Q/K RMSNorm (its weight is γ), if any;
 * ``k_proj``: the key projection, for pre-RoPE keys when there is no ``k_norm``.
 
 Each pattern is a regular expression matched against the full module name with
@@ -17,7 +17,11 @@ Each pattern is a regular expression matched against the full module name with
 """
 from __future__ import annotations
 
+import re
+import warnings
 from dataclasses import dataclass
+
+from torch import nn
 
 _P = r"(?:.*\.)?"  # any module prefix (model., base_model., transformer., ...)
 
@@ -59,3 +63,54 @@ FAMILIES["gemma3"] = FAMILIES["gemma3_text"]
 
 # Unknown decoder families usually follow the Llama layout; used with a warning.
 DEFAULT_FAMILY = _DECODER
+
+
+# layer index from a module name: the number after a layer-stack container, else the first number
+_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
+_ANY_INDEX_RE = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+
+
+def layer_of(name: str, module=None) -> int | None:
+    """The layer index of a module: its ``layer_idx`` attribute, else the number in its name."""
+    idx = getattr(module, "layer_idx", None)
+    if isinstance(idx, int) and not isinstance(idx, bool):
+        return idx
+    m = _LAYER_RE.search(name) or _ANY_INDEX_RE.search(name)
+    return int(m.group(1)) if m else None
+
+
+def matches(model: nn.Module, pattern: str | None) -> list[tuple[str, nn.Module, int | None]]:
+    """``(name, module, layer)`` of every module whose full name ``re.fullmatch``-es ``pattern``
+    (layer: group 1 of the pattern, else :func:`layer_of`); ``[]`` for ``pattern=None``."""
+    if pattern is None:
+        return []
+    rx = re.compile(pattern)
+    out = []
+    for name, mod in model.named_modules():
+        m = rx.fullmatch(name)
+        if m:
+            out.append((name, mod, int(m.group(1)) if m.groups() else layer_of(name, mod)))
+    return out
+
+
+def resolve_family(model: nn.Module, needs_family: bool, prerope_keys: bool) -> Family | None:
+    """The :class:`Family` of an HF model (Llama layout with a warning when unknown); None for a
+    model without ``config.model_type``, which then may only have ``modules`` sites."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type is None:
+        if needs_family:
+            raise ValueError("model: keys/queries/ffn/prerope_keys sites need a Hugging Face model "
+                             "(with .config.model_type); for other models pass keys=False, ffn=False "
+                             "and choose sites with modules=")
+        return None
+    family = FAMILIES.get(model_type)
+    if family is None:
+        warnings.warn(f"fastspec.Probe: model_type {model_type!r} is not in fastspec.probe.FAMILIES; "
+                      f"assuming the Llama layout for FFN/Q-K-norm sites (see README: adding a family)",
+                      stacklevel=3)
+        family = DEFAULT_FAMILY
+    if prerope_keys and family.k_norm is None and family.k_proj is None:
+        raise ValueError(f"prerope_keys: {model_type!r} has no rotary embedding, so its keys are "
+                         f"already pre-RoPE; use keys=True")
+    return family

@@ -1,32 +1,18 @@
-"""Accumulators of one probe: one :class:`~fastspec.Covariance` per (site, layer).
+"""What a probe measures: the sites a user can choose, and one :class:`~fastspec.Covariance`
+per (site, layer) that captures are merged into.
 
 Attention sites hold ``Covariance((H, d_head))`` (all heads of a layer batched in one update);
 FFN and module sites ``Covariance(F)`` or ``Covariance((H, F/H))``. Memory is O(sites·D²) and
-independent of batch size and sequence length (SPEC §1).
+independent of batch size and sequence length (docs/accumulators.md).
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ..covariance import Covariance
-
-CONVENTIONS = ("eig", "sv")
-
-# layer index from a module name: the number after a layer-stack container, else the first number
-_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
-_ANY_INDEX_RE = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
-
-
-def layer_of(name: str, module=None) -> int | None:
-    idx = getattr(module, "layer_idx", None)
-    if isinstance(idx, int) and not isinstance(idx, bool):
-        return idx
-    m = _LAYER_RE.search(name) or _ANY_INDEX_RE.search(name)
-    return int(m.group(1)) if m else None
+from ..covariance import CONVENTIONS, Covariance
 
 
 @dataclass(frozen=True)
@@ -37,7 +23,8 @@ class ModuleSite:
         pattern: e.g. ``"model.layers.*.mlp.act_fn"``.
         io: ``"output"`` (first tensor of the output) or ``"input"`` (first positional input).
         heads: split the last axis ``F`` into ``[heads, F/heads]`` (one site per head).
-        convention: ``"eig"`` (centered covariance) or ``"sv"`` (raw singular values), SPEC §2.
+        convention: ``"eig"`` (centered covariance) or ``"sv"`` (raw singular values);
+            see docs/conventions.md.
         label: ``Record.site`` of its records; default: the pattern.
     """
 
@@ -62,8 +49,9 @@ class ModuleSite:
         return self.label or self.pattern
 
 
-class Accumulator:
-    """One site group: ``Covariance`` + how to turn it into records."""
+class SiteCovariance:
+    """The :class:`~fastspec.Covariance` of one (site, layer), with how its records are labelled:
+    its spectrum convention and, for per-head sites, the global index of its first head."""
 
     def __init__(self, dim: tuple[int, ...], convention: str, headed: bool, head_offset: int,
                  backend: str, precision: str = "auto"):
@@ -77,7 +65,7 @@ class Accumulator:
                 "head_offset": self.head_offset, "state": state}
 
     @classmethod
-    def from_state_dict(cls, sd: dict, backend: str, precision: str = "auto") -> Accumulator:
+    def from_state_dict(cls, sd: dict, backend: str, precision: str = "auto") -> SiteCovariance:
         acc = cls(tuple(sd["dim"]), sd["convention"], sd["headed"], sd["head_offset"], backend, precision)
         acc.cov.load_state_dict({"dim": tuple(sd["dim"]), "track_mean": sd["convention"] == "eig",
                                  "state": sd["state"]})
@@ -88,7 +76,8 @@ SiteKey = tuple[str, "int | None"]
 
 
 class Collector:
-    """The accumulators one schedule writes into (streaming totals, or one eval measurement).
+    """The :class:`SiteCovariance` of every (site, layer) one schedule writes into: the running
+    streaming totals, or the tokens of one eval measurement.
 
     ``backend`` and ``precision`` go to every :class:`~fastspec.Covariance`; what they mean and
     the accuracy of each choice is ``fastspec.covariance.policy``'s to say (by default ``sv``
@@ -97,7 +86,7 @@ class Collector:
 
     def __init__(self, backend: str, precision: str = "auto"):
         self.backend, self.precision = backend, precision
-        self.accs: dict[SiteKey, Accumulator] = {}
+        self.accs: dict[SiteKey, SiteCovariance] = {}
 
     def update(self, site: str, layer: int | None, x: Tensor, mask: Tensor | None, *,
                headed: bool, convention: str, head_offset: int = 0, row_step: int = 1) -> None:
@@ -105,7 +94,7 @@ class Collector:
         dim = tuple(x.shape[-2:]) if headed else (x.shape[-1],)
         acc = self.accs.get((site, layer))
         if acc is None:
-            acc = self.accs[(site, layer)] = Accumulator(dim, convention, headed, head_offset,
+            acc = self.accs[(site, layer)] = SiteCovariance(dim, convention, headed, head_offset,
                                                          self.backend, self.precision)
         elif (*acc.cov.sites, acc.cov.D) != dim:
             raise ValueError(f"{site} layer {layer}: activation shape {list(x.shape)} does not match "
@@ -115,38 +104,37 @@ class Collector:
         acc.cov.update(x, mask, row_step=row_step)
 
     def load(self, entries: list[dict]) -> None:
-        """Replace the accumulators with :meth:`Accumulator.state_dict` entries (plus site/layer)."""
-        self.accs = {(e["site"], e["layer"]): Accumulator.from_state_dict(e, self.backend, self.precision)
+        """Replace the accumulators with :meth:`SiteCovariance.state_dict` entries (plus site/layer)."""
+        self.accs = {(e["site"], e["layer"]): SiteCovariance.from_state_dict(e, self.backend, self.precision)
                      for e in entries}
 
     def reset(self) -> None:
         for acc in self.accs.values():
             acc.cov.reset()
 
-    def sorted_items(self) -> list[tuple[SiteKey, Accumulator]]:
+    @property
+    def device(self) -> torch.device | None:
+        """Where the state lives (the device of the first capture), or None before any."""
+        for acc in self.accs.values():
+            if acc.cov.device is not None:
+                return acc.cov.device
+        return None
+
+    def sorted_items(self) -> list[tuple[SiteKey, SiteCovariance]]:
         # a fixed order on every rank: the all-reduces must line up
         return sorted(self.accs.items(), key=lambda kv: (kv[0][0], -1 if kv[0][1] is None else kv[0][1]))
 
 
-def first_tensor(obj) -> Tensor | None:
-    """The first tensor in a module's output/inputs (HF modules often return tuples)."""
-    if isinstance(obj, Tensor):
-        return obj
-    if isinstance(obj, (tuple, list)):
-        for o in obj:
-            t = first_tensor(o)
-            if t is not None:
-                return t
-    if isinstance(obj, dict):
-        for o in obj.values():
-            t = first_tensor(o)
-            if t is not None:
-                return t
-    return None
-
-
-def as_bool_mask(mask) -> Tensor | None:
-    """A 2-D ``[B, T]`` keep-mask from an HF ``attention_mask`` (1 = real token), else None."""
-    if not isinstance(mask, Tensor) or mask.dim() != 2:
-        return None
-    return mask if mask.dtype == torch.bool else mask != 0
+def module_sites(modules) -> tuple[ModuleSite, ...]:
+    """``Probe(modules=...)`` as a tuple of :class:`ModuleSite`: a glob, a ModuleSite, or a list of them."""
+    if modules is None:
+        return ()
+    items = [modules] if isinstance(modules, (str, ModuleSite)) else list(modules)
+    out = []
+    for m in items:
+        if isinstance(m, str):
+            m = ModuleSite(m)
+        if not isinstance(m, ModuleSite):
+            raise TypeError(f"modules: expected glob strings or ModuleSite, got {type(m).__name__}")
+        out.append(m)
+    return tuple(out)

@@ -283,7 +283,7 @@ class Covariance:
         st["n"] += nb
 
     def merge(self, other: "Covariance") -> "Covariance":
-        """Add another accumulator's rows into this one, exactly (SPEC §1)."""
+        """Add another accumulator's rows into this one, exactly (docs/accumulators.md)."""
         if not isinstance(other, Covariance):
             raise TypeError(f"other: expected a fastspec.Covariance, got {type(other).__name__}")
         if (other.sites, other.D, other.track_mean) != (self.sites, self.D, self.track_mean):
@@ -301,6 +301,38 @@ class Covariance:
             for k in ("n", "sum", "gram"):
                 self._state[k] += ost[k]
         return self
+
+    def _sums_about(self, shift: Tensor | None) -> tuple[Tensor, Tensor]:
+        """This accumulator's rows as new sums about ``shift`` ``[S, D]`` (``None``: about 0):
+        ``s = Σ(x − c) = n (mean − c)`` and ``G = Σ(x − c)(x − c)ᵀ = M2 + n (mean − c)(mean − c)ᵀ``.
+
+        Sums about a common shift add exactly, so :meth:`all_reduce` sums these across ranks
+        and merges the total with :meth:`_merge_sums`, the path every update takes.
+        """
+        st = self._require_data()
+        if not self.track_mean:
+            if shift is not None:
+                raise ValueError("shift: raw-sum accumulators (track_mean=False) are kept about 0")
+            return st["sum"].clone(), st["gram"].clone()
+        n = st["n"].double()
+        delta = st["mean"] if shift is None else st["mean"] - shift
+        s = delta * n[:, None]
+        G = torch.baddbmm(st["m2"], s[:, :, None], delta[:, None, :])  # M2 + n δδᵀ, symmetric
+        return s, G
+
+    def all_reduce(self, group=None) -> "Covariance":
+        """A new Covariance holding the rows of every rank in ``group`` (default: the world).
+
+        A collective: every rank calls it, in the same order for every accumulator. Raw sums
+        add as they are. Centred state is merged about the global mean ``μ = Σ n_r mean_r / N``
+        (one all-reduce first): each rank's rows become sums about ``μ``, which add exactly, and
+        the total goes through the same merge as an update. Nothing cancels even when the mean
+        is far larger than the spread (docs/accumulators.md). This rank's accumulator is not
+        changed. Every rank must have seen data (so that the state exists on a device).
+        """
+        from .distributed import all_reduce_covariance
+
+        return all_reduce_covariance(self, group)
 
     # ---------------------------------------------------------------- results
     @property
@@ -336,7 +368,7 @@ class Covariance:
         return self._out(st["m2"] / n[:, None, None], 2)
 
     def participation_ratio(self) -> Tensor:
-        """``eig``-convention PR without an eigensolve: ``tr(C)² / ‖C‖_F²`` (SPEC §3), ``[*sites]``."""
+        """``eig``-convention PR without an eigensolve: ``tr(C)² / ‖C‖_F²`` (docs/metrics.md), ``[*sites]``."""
         st = self._require_data()
         if not self.track_mean:
             raise ValueError("participation_ratio() is the eig convention and needs track_mean=True")
@@ -354,7 +386,7 @@ class Covariance:
         """Spectrum per site, sorted descending, ``[*sites, D]``.
 
         ``eig``: eigenvalues of the unbiased centered covariance. ``sv``: singular values of the
-        raw uncentered data matrix, ``σ = sqrt(λ(G))`` (SPEC §2). ``dtype`` is the precision of
+        raw uncentered data matrix, ``σ = sqrt(λ(G))`` (docs/conventions.md). ``dtype`` is the precision of
         the eigensolve; by default float64 for ``sv`` (a float32 solve would blur every singular
         value below ~3e-4·σ_max) and for ``eig`` float32 on CUDA (the fast batched solver),
         float64 elsewhere (``fastspec.covariance.policy``). A site without a defined matrix
@@ -363,7 +395,7 @@ class Covariance:
         return spectra(self.matrix(convention), convention, dtype=dtype)
 
     def metrics(self, convention: str = "eig", *, dtype: torch.dtype | None = None) -> SpectrumMetrics:
-        """Every SPEC §3 metric per site (each ``[*sites]``), plus ``n`` and ``rejected``."""
+        """Every metric of ``fastspec.metrics.summarize`` (docs/metrics.md) per site (each ``[*sites]``), plus ``n`` and ``rejected``."""
         m = summarize(self.spectrum(convention, dtype=dtype))
         return SpectrumMetrics(**{**m.as_dict(), "n": self.n, "rejected": self.rejected})
 

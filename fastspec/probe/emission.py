@@ -1,0 +1,145 @@
+"""Emission: from a probe's covariances to records (and spectra), without a host sync.
+
+1. Under ``torch.distributed`` each (site, layer) covariance is all-reduced first
+   (:meth:`fastspec.Covariance.all_reduce`, exact), unless ``sync="none"``.
+2. One eigensolve per (convention, D, device) over every site and layer (one batched launch on
+   CUDA), in the solve dtype of ``fastspec.covariance.policy.solve_dtype``: float64 for ``sv``,
+   where ``σ = sqrt(λ)`` would turn a float32 solve's ``eps·λ_max`` into ``sqrt(eps)·σ_max``.
+3. One :func:`~fastspec.metrics.summarize` per group, plus ``lambda_max``, ``n``, ``rejected``
+   per head, and the layer's γ values (``gamma.py``), packed into one tensor that
+   :class:`~fastspec.probe.record.PendingRecords` copies to the host asynchronously.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+
+from ..covariance import Covariance, spectra
+from ..covariance.distributed import is_distributed
+from ..metrics import summarize
+from .families import Family
+from .gamma import gamma_values
+from .record import PendingRecords, RecordKey
+from .sites import Collector, SiteCovariance, SiteKey
+
+# per-site metrics, in record order (SpectrumMetrics field names, docs/metrics.md)
+SPECTRUM_METRICS = (
+    "participation_ratio", "hard_rank_normalized", "entropy_rank", "soft_rank_normalized",
+    "spectral_concentration", "sui", "effective_dim", "utilization", "ghost_dims",
+    "top1_share", "top10pct_share",
+)
+# what every headed site reports per head: the spectrum metrics, the top eigenvalue of the
+# matrix the convention describes, rows merged, and rows refused for NaN/Inf
+RECORD_METRICS = (*SPECTRUM_METRICS, "lambda_max", "n", "rejected")
+SYNC_MODES = ("all", "rank0", "none")
+
+Item = tuple[SiteKey, SiteCovariance, Covariance]
+
+
+class Emitter:
+    """Turns a :class:`~fastspec.probe.sites.Collector` into records or spectra.
+
+    Args:
+        model, family: for the γ values of Q/K-norm families (``family=None``: none).
+        gamma: whether to report γ (the probe captures attention sites).
+        sync: under ``torch.distributed``: ``"all"`` ranks get the global metrics, only
+            ``"rank0"``, or ``"none"`` (each rank its own tokens).
+        process_group: the data-parallel group to merge over (default: the world).
+    """
+
+    def __init__(self, model: nn.Module, family: Family | None, *, gamma: bool, sync: str, process_group=None):
+        if sync not in SYNC_MODES:
+            raise ValueError(f"sync: expected one of {SYNC_MODES}, got {sync!r}")
+        self.model, self.family, self.gamma = model, family, gamma and family is not None
+        self.sync, self.process_group = sync, process_group
+
+    @property
+    def collective(self) -> bool:
+        """Whether emitting is a collective (every rank must emit the same number of times)."""
+        return self.sync != "none" and is_distributed()
+
+    def reports(self) -> bool:
+        """Whether this rank emits records (all ranks, or rank 0 only with ``sync="rank0"``)."""
+        if self.sync != "rank0" or not is_distributed():
+            return True
+        return torch.distributed.get_rank(self.process_group) == 0
+
+    def _items(self, collector: Collector) -> list[Item]:
+        """``(key, site covariance, merged covariance)`` of every site this rank reports."""
+        reports = self.reports()
+        items = []
+        for key, acc in collector.sorted_items():
+            if acc.cov.device is None:
+                continue
+            cov = acc.cov.all_reduce(self.process_group) if self.collective else acc.cov
+            if reports:
+                items.append((key, acc, cov))
+        return items
+
+    @staticmethod
+    def _solve(items: list[Item]) -> Iterator[tuple[list[int], Tensor]]:
+        """``(indices, spectra [ΣS, D] descending)`` per (convention, D, device) group of items."""
+        groups: dict[tuple, list[int]] = {}
+        for i, (_, acc, cov) in enumerate(items):
+            groups.setdefault((acc.convention, cov.D, cov.device), []).append(i)
+        for (convention, D, _), idx in groups.items():
+            mats = torch.cat([items[i][2].matrix(convention).reshape(-1, D, D) for i in idx])
+            yield idx, spectra(mats, convention)
+
+    def spectra(self, collector: Collector) -> dict[SiteKey, Tensor]:
+        """Descending spectrum ``[*sites, D]`` of every (site, layer): eigenvalues (``eig``) or
+        singular values (``sv``), as ``Covariance.spectrum`` computes them."""
+        items = self._items(collector)
+        out: dict[SiteKey, Tensor] = {}
+        for idx, spec in self._solve(items):
+            start = 0
+            for i in idx:
+                key, _, cov = items[i]
+                out[key] = spec[start:start + cov.num_sites].reshape(*cov.sites, cov.D)
+                start += cov.num_sites
+        return dict(sorted(out.items(), key=lambda kv: (kv[0][0], -1 if kv[0][1] is None else kv[0][1])))
+
+    def _blocks(self, items: list[Item]) -> list[Tensor]:
+        """Per item, its ``[len(RECORD_METRICS), S]`` float64 block of values."""
+        blocks: list[Tensor | None] = [None] * len(items)
+        for idx, spec in self._solve(items):
+            m = summarize(spec)
+            cols = torch.stack([getattr(m, name).double() for name in SPECTRUM_METRICS])  # [M, ΣS]
+            convention = items[idx[0]][1].convention
+            start = 0
+            for i in idx:
+                cov = items[i][2]
+                sl = slice(start, start + cov.num_sites)
+                start += cov.num_sites
+                n = cov.n.double().reshape(-1)
+                top = spec[sl, 0].double()
+                lam_max = top if convention == "eig" else top.square() / n  # sv: top eigenvalue of XᵀX/n
+                blocks[i] = torch.cat([cols[:, sl], torch.stack([lam_max, n, cov.rejected.double().reshape(-1)])])
+        return blocks
+
+    def records(self, collector: Collector, step: int, tokens_seen: int | None,
+                extra: tuple[tuple[RecordKey, float], ...] = ()) -> PendingRecords | None:
+        """Metrics of every site, plus γ and ``extra`` records, packed into one tensor headed
+        for the host; None when there is nothing to report (or this rank does not report)."""
+        keys: list[RecordKey] = []
+        values: list[Tensor] = []
+        items = self._items(collector)
+        for ((site, layer), acc, _), block in zip(items, self._blocks(items)):
+            for name in RECORD_METRICS:
+                for h in range(block.shape[1]):
+                    keys.append((site, layer, acc.head_offset + h if acc.headed else None, name))
+            values.append(block.reshape(-1))
+        reports = self.reports()
+        if self.gamma and reports:
+            gamma_keys, gamma_vals = gamma_values(self.model, self.family)
+            keys += gamma_keys
+            values += gamma_vals
+        device = values[0].device if values else None
+        for key, value in extra if reports else ():
+            keys.append(key)
+            values.append(torch.tensor([float(value)], dtype=torch.float64, device=device))
+        if not keys:
+            return None
+        return PendingRecords(step, tokens_seen, keys, torch.cat([v.to(device) for v in values]))

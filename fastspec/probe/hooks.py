@@ -1,0 +1,267 @@
+"""The probe's hooks on a model: installing and removing them, and the forward they run in.
+
+* :class:`ForwardScope` tracks the probed model's own ``forward``: captures count only while it
+  runs (depth > 0), so the forward that activation checkpointing recomputes during backward is
+  never counted twice, and it keeps that call's 2-D ``attention_mask`` so padding is not counted.
+* :class:`Hooks` installs one callback per site (attention keys/queries through
+  ``hf_attention.watch``, forward pre-hooks on the FFN down projections, forward hooks on
+  pre-RoPE key modules and user :class:`~fastspec.probe.ModuleSite` modules) and removes all of
+  them. Each callback only shapes the activation into rows ``[*rows, H, D]`` or ``[*rows, D]``
+  and hands it to ``capture``; where it goes is ``routing.py``'s business.
+
+In a model compiled after the hooks are installed, dynamo breaks the graph at the callbacks
+(``torch.compiler.disable``) and runs them eagerly instead of tracing the probe's Python state.
+"""
+from __future__ import annotations
+
+import fnmatch
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from . import hf_attention
+from .families import Family, layer_of, matches
+from .sites import ModuleSite
+
+# capture(site, layer, x, *, headed, convention, head_offset=0, stream_row_step=None)
+Capture = Callable[..., None]
+
+
+@dataclass(frozen=True)
+class SitePlan:
+    """Which sites a probe captures and how (the :class:`~fastspec.Probe` arguments of the same
+    names; ``ffn_row_step``: streaming FFN captures keep every ``ffn_row_step``-th token)."""
+
+    keys: bool
+    queries: bool
+    ffn: bool
+    prerope_keys: bool
+    modules: tuple[ModuleSite, ...]
+    key_convention: str
+    ffn_convention: str
+    tp_rank: int
+    ffn_row_step: int
+
+    @property
+    def names(self) -> list[str]:
+        """Record ``site`` names, in the order of the arguments."""
+        out = [s for s, on in (("keys", self.keys), ("queries", self.queries), ("ffn", self.ffn),
+                               ("keys_prerope", self.prerope_keys)) if on]
+        return out + [m.site for m in self.modules]
+
+
+def first_tensor(obj) -> Tensor | None:
+    """The first tensor in a module's output/inputs (HF modules often return tuples)."""
+    if isinstance(obj, Tensor):
+        return obj
+    if isinstance(obj, (tuple, list)):
+        for o in obj:
+            t = first_tensor(o)
+            if t is not None:
+                return t
+    if isinstance(obj, dict):
+        for o in obj.values():
+            t = first_tensor(o)
+            if t is not None:
+                return t
+    return None
+
+
+def as_bool_mask(mask) -> Tensor | None:
+    """A 2-D ``[B, T]`` keep-mask from an HF ``attention_mask`` (1 = real token), else None."""
+    if not isinstance(mask, Tensor) or mask.dim() != 2:
+        return None
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+class ForwardScope:
+    """Depth of the probed model's own ``forward`` and the ``attention_mask`` it was called with."""
+
+    def __init__(self, model: nn.Module):
+        try:
+            self._signature = inspect.signature(model.forward)
+        except (TypeError, ValueError):
+            self._signature = None
+        self.depth = 0
+        self.mask: Tensor | None = None
+
+    @property
+    def active(self) -> bool:
+        """True while the model's own forward runs (not, e.g., a checkpoint recompute in backward)."""
+        return self.depth > 0
+
+    def start(self, module, args, kwargs) -> None:
+        """Forward pre-hook (``with_kwargs=True``) of the model."""
+        self.depth += 1
+        if self.depth == 1:
+            mask = kwargs.get("attention_mask")
+            if mask is None and self._signature is not None:
+                try:
+                    mask = self._signature.bind_partial(*args, **kwargs).arguments.get("attention_mask")
+                except TypeError:
+                    mask = None
+            self.mask = as_bool_mask(mask)
+
+    def end(self, module, args, output) -> None:
+        """Forward hook (``always_call=True``) of the model."""
+        self.depth = max(0, self.depth - 1)
+        if self.depth == 0:
+            self.mask = None
+
+    def reset(self) -> None:
+        self.depth, self.mask = 0, None
+
+    def mask_for(self, x: Tensor) -> Tensor | None:
+        """``[B, T]`` keep-mask for rows ``x: [B, T, ...]``: the last T columns of the model's mask."""
+        mask = self.mask
+        if mask is None or x.dim() < 3 or mask.shape[0] != x.shape[0] or mask.shape[1] < x.shape[1]:
+            return None
+        mask = mask[:, mask.shape[1] - x.shape[1]:]
+        return mask if mask.device == x.device else mask.to(x.device, non_blocking=True)
+
+
+class Hooks:
+    """Every hook one probe puts on ``model``: :meth:`install` all of them, :meth:`remove` all.
+
+    Args:
+        model: the (eager) model.
+        plan: which sites to hook.
+        family: module-name patterns of the model family (``None`` for non-HF models, which
+            then have only ``plan.modules``).
+        capture: called with each site's rows, see ``Capture``.
+        scope: the model's forward depth and mask.
+    """
+
+    def __init__(self, model: nn.Module, plan: SitePlan, family: Family | None, capture: Capture,
+                 scope: ForwardScope):
+        self.model, self.plan, self.family, self.scope = model, plan, family, scope
+        # wrapped here, not with decorators, so that `import fastspec` does not import torch._dynamo
+        self._capture = torch.compiler.disable(capture)
+        self._start = torch.compiler.disable(scope.start)
+        self._end = torch.compiler.disable(scope.end)
+        self._handles: list | None = None
+
+    @property
+    def installed(self) -> bool:
+        return self._handles is not None
+
+    def install(self) -> None:
+        """Register every hook (all or none: a failure removes those already registered)."""
+        if self._handles is not None:
+            return
+        handles: list = []
+        try:
+            self._install_into(handles)
+        except BaseException:
+            for h in handles:
+                h.remove()
+            raise
+        self._handles = handles
+
+    def remove(self) -> None:
+        """Remove every hook (idempotent) and forget any forward in flight."""
+        handles, self._handles = self._handles or [], None
+        for h in handles:
+            h.remove()
+        self.scope.reset()
+
+    # ---------------------------------------------------------------- per site
+    def _install_into(self, handles: list) -> None:
+        model, plan = self.model, self.plan
+        handles.append(model.register_forward_pre_hook(self._start, with_kwargs=True))
+        handles.append(model.register_forward_hook(self._end, always_call=True))
+        if plan.keys or plan.queries:
+            handles.append(self._watch_attention())
+        if plan.ffn:
+            found = matches(model, self.family.ffn)
+            if not found:
+                raise ValueError(f"ffn: no module matches the FFN down projection pattern "
+                                 f"{self.family.ffn!r}; register the family in fastspec.probe.FAMILIES")
+            for _, mod, layer in found:
+                handles.append(mod.register_forward_pre_hook(self._ffn_hook(layer)))
+        if plan.prerope_keys:
+            self._install_prerope(handles)
+        for spec in plan.modules:
+            found = [(n, m) for n, m in model.named_modules() if fnmatch.fnmatchcase(n, spec.pattern)]
+            if not found:
+                raise ValueError(f"modules: no module name matches {spec.pattern!r}")
+            for name, mod in found:
+                hook = self._module_hook(spec, layer_of(name, mod))
+                handles.append(mod.register_forward_hook(hook) if spec.io == "output"
+                               else mod.register_forward_pre_hook(hook))
+
+    def _watch_attention(self):
+        callbacks = {}
+        for name, mod in self.model.named_modules():
+            if "Attention" not in type(mod).__name__ or getattr(mod, "is_cross_attention", False) \
+                    or "Cross" in type(mod).__name__:
+                continue
+            layer = layer_of(name, mod)
+            if layer is not None:
+                callbacks[mod] = self._attention_callback(layer)
+        if not callbacks:
+            raise ValueError("keys/queries: found no attention modules with a layer index in this model")
+        return hf_attention.watch(callbacks, getattr(self.model.config, "_attn_implementation", None))
+
+    def _attention_callback(self, layer: int):
+        plan, capture = self.plan, self._capture
+
+        def callback(module, query: Tensor, key: Tensor) -> None:
+            if key.dim() != 4 or query.dim() != 4:
+                return
+            tq = query.shape[-2]
+            if plan.keys:
+                k = key[:, :, key.shape[-2] - tq:] if key.shape[-2] > tq else key  # new tokens only (KV cache)
+                capture("keys", layer, k.transpose(1, 2), headed=True, convention=plan.key_convention,
+                        head_offset=plan.tp_rank * k.shape[1])
+            if plan.queries:
+                capture("queries", layer, query.transpose(1, 2), headed=True, convention=plan.key_convention,
+                        head_offset=plan.tp_rank * query.shape[1])
+        return callback
+
+    def _install_prerope(self, handles: list) -> None:
+        fam, plan, capture = self.family, self.plan, self._capture
+        use_norm = fam.k_norm is not None and bool(matches(self.model, fam.k_norm))
+        found = matches(self.model, fam.k_norm if use_norm else fam.k_proj)
+        if not found:
+            raise ValueError("prerope_keys: found no k_norm/k_proj modules in this model")
+        mods = dict(self.model.named_modules())
+        for name, mod, layer in found:
+            head_dim = getattr(mods.get(name.rsplit(".", 1)[0]), "head_dim", None)
+            if not use_norm and not isinstance(head_dim, int):
+                raise ValueError(f"prerope_keys: cannot tell the head width of {name}")
+
+            def hook(module, args, output, layer=layer, head_dim=head_dim, use_norm=use_norm):
+                k = output if use_norm else output.unflatten(-1, (-1, head_dim))  # [B, T, H, d_head]
+                capture("keys_prerope", layer, k, headed=True, convention=plan.key_convention,
+                        head_offset=plan.tp_rank * k.shape[-2])
+            handles.append(mod.register_forward_hook(hook))
+
+    def _ffn_hook(self, layer: int | None):
+        plan, capture = self.plan, self._capture
+
+        def hook(module, args):
+            x = first_tensor(args)
+            if x is not None and x.is_floating_point():
+                capture("ffn", layer, x, headed=False, convention=plan.ffn_convention,
+                        stream_row_step=plan.ffn_row_step)
+        return hook
+
+    def _module_hook(self, spec: ModuleSite, layer: int | None):
+        plan, capture = self.plan, self._capture
+
+        def hook(module, args, output=None):
+            x = first_tensor(output if spec.io == "output" else args)
+            if x is None or not x.is_floating_point() or x.dim() < 2:
+                return
+            if spec.heads is not None:
+                if x.shape[-1] % spec.heads:
+                    raise ValueError(f"modules: {spec.pattern!r} width {x.shape[-1]} is not divisible "
+                                     f"by heads={spec.heads}")
+                x = x.unflatten(-1, (spec.heads, -1))
+            capture(spec.site, layer, x, headed=spec.heads is not None, convention=spec.convention,
+                    head_offset=plan.tp_rank * (spec.heads or 0))
+        return hook
