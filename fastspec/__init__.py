@@ -1,12 +1,14 @@
-"""fastspec: how many dimensions do your activations really use? (see SPEC.md)
+"""fastspec: how many dimensions do your activations really use?
+
+Definitions, conventions and measurement protocols are in docs/ (pages cited below).
 
 Public API:
-    fastspec.Covariance       streaming per-site n, Σx, Σxxᵀ accumulator
+    fastspec.Covariance       streaming per-site n, Σx, Σxxᵀ accumulator (docs/accumulators.md)
     fastspec.eigvalsh         batched symmetric eigenvalues (drop-in for torch.linalg.eigvalsh)
-    fastspec.metrics          participation ratio, entropy rank, SUI, eDim, ... (SPEC §3)
-    fastspec.fit_power_law    log-log least squares across widths (SPEC §4)
-    fastspec.tail_index       spectral tail exponent over a rank window (SPEC §4)
-    fastspec.Probe            per-layer/per-head metrics from a live (HF) model (SPEC §5)
+    fastspec.metrics          participation ratio, entropy rank, SUI, eDim, ... (docs/metrics.md)
+    fastspec.fit_power_law    log-log least squares across widths (docs/fits.md)
+    fastspec.tail_index       spectral tail exponent over a rank window (docs/fits.md)
+    fastspec.Probe            per-layer/per-head metrics from a live (HF) model (docs/protocols.md)
     fastspec.analysis         tables and width/tail fits of records   (loaded on first use:
     fastspec.plots            matplotlib figures of records            these need pandas,
     fastspec.integrations     TensorBoard, W&B, Lightning, HF Trainer  matplotlib or the

@@ -6,9 +6,9 @@ Every function takes *records* in the tidy format of :class:`fastspec.Record` �
     step, tokens_seen, site, layer, head, metric, value   (+ optional ``condition``, ``width``)
 
 and returns a ``pandas.DataFrame``. Records hold one value per (layer, head); per-layer values
-are the mean over heads (SPEC §5 "mean over heads per layer"), whole-model values the mean over
-layers of those. Fits build on :func:`fastspec.fit_power_law` and :func:`fastspec.tail_index`
-(SPEC §4).
+are the mean over heads, whole-model values the mean over layers of those (the aggregation of
+docs/protocols.md). Fits build on :func:`fastspec.fit_power_law` and :func:`fastspec.tail_index`
+(docs/fits.md).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 RECORD_COLUMNS = ["step", "tokens_seen", "site", "layer", "head", "metric", "value"]
-# The key-rank study's headline quantity (SPEC §5) and the default everywhere below.
+# The key-rank study's headline quantity (docs/protocols.md) and the default everywhere below.
 KEY_SITE, KEY_METRIC = "keys", "participation_ratio"
 
 
@@ -109,7 +109,7 @@ def trajectory(records, site: str = KEY_SITE, metric: str = KEY_METRIC) -> pd.Da
 
 
 def summary_table(records, site: str = KEY_SITE, metric: str = KEY_METRIC) -> pd.DataFrame:
-    """The demo's headline table, one row per condition (SPEC §5 key-rank study).
+    """The demo's headline table, one row per condition (the key-rank study).
 
     ``initial``/``min``/``final``: whole-model mean (over layers of head means) at the first
     step, its minimum over steps (with ``min_step``), and at the last step. ``collapsed_layer``:
@@ -199,7 +199,7 @@ def _per_width_layers(df: pd.DataFrame, metric: str, site: str, width_col: str, 
 def width_fits(records, metrics=("participation_ratio", "entropy_rank"), *, site: str = "ffn",
                width_col: str = "width", step="final", n_boot: int = 1000, ci: float = 0.95,
                seed: int = 0) -> pd.DataFrame:
-    """Power-law fits of layer-median ``metric`` vs width across a width sweep (SPEC §4, §5).
+    """Power-law fits of layer-median ``metric`` vs width across a width sweep (docs/fits.md).
 
     ``records`` must carry a ``width_col`` column (the FFN width D of the model each record
     came from). Per width the per-layer value (mean over heads, if any) is reduced to the
@@ -249,7 +249,7 @@ def utilization_slopes(records, *, site: str = "ffn", width_col: str = "width", 
 
 
 def tail_fits(spectra, start: int | None = None, stop: int | None = None) -> pd.DataFrame:
-    """Tail index ``a`` of ``λ_k ∝ k^(−a)`` and ``λ_max`` for each spectrum (SPEC §4).
+    """Tail index ``a`` of ``λ_k ∝ k^(−a)`` and ``λ_max`` for each spectrum (docs/fits.md).
 
     ``spectra``: a mapping name -> 1-D spectrum, or an array/tensor ``[..., D]`` (each leading
     index is one spectrum, named by its index tuple). Window as in :func:`fastspec.tail_index`.

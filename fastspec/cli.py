@@ -1,36 +1,62 @@
 """``fastspec`` command line: one sub-command per capability, each in its own module.
 
-A sub-command module exposes ``add_arguments(parser)`` and ``run(args) -> int``; it is
-imported only when its command runs, so optional dependencies stay optional.
+A sub-command module exposes ``add_arguments(parser)`` and ``run(args) -> int``. ``COMMANDS``
+holds each command's one-line help, so ``fastspec --help`` lists them all without importing any
+of those modules, and ``fastspec CMD ...`` imports CMD's module alone: start-up stays cheap and
+optional dependencies stay optional.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+from collections.abc import Iterable, Sequence
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("fastspec.cli_info", "show versions and which backends are available"),
     "bench": ("fastspec.bench.cli", "time fastspec against torch.linalg baselines (one table, --json)"),
     "compare": ("fastspec.bench.cli_compare", "accuracy only: fastspec vs torch.linalg fp32 vs fp64"),
-    "demo": ("fastspec.demo.cli", "train three tiny models (QK-norm study, SPEC §5) and write a run folder"),
+    "demo": ("fastspec.demo.cli", "train three tiny models (QK-norm key-rank study) and write a run folder"),
     "report": ("fastspec.report", "regenerate plots and report.md of a run folder"),
 }
 
+_HELP_FLAGS = ("-h", "--help")
 
-def build_parser() -> argparse.ArgumentParser:
+
+def build_parser(with_arguments: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The ``fastspec`` parser; the sub-commands named in ``with_arguments`` (default: all) get
+    their arguments, which imports their modules. The others are listed with their help only."""
+    full = set(COMMANDS if with_arguments is None else with_arguments)
+    if full - COMMANDS.keys():
+        raise ValueError(f"with_arguments: expected names from COMMANDS {list(COMMANDS)}, "
+                         f"got {sorted(full - COMMANDS.keys())}")
     parser = argparse.ArgumentParser(prog="fastspec", description="Spectral metrics of activations.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
         p.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(p)
+        if name in full:
+            importlib.import_module(module).add_arguments(p)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def _command_in(argv: Sequence[str]) -> str | None:
+    """The sub-command ``argv`` runs, or None when argparse will stop before reaching one (top-level
+    ``--help``, no command) or will reject it (unknown name: argparse's usage error)."""
+    for arg in argv:
+        if arg in _HELP_FLAGS:
+            return None  # argparse acts on the top-level help before it looks at the command
+        if arg.startswith("-"):
+            continue  # not a top-level option: argparse reports it
+        return arg if arg in COMMANDS else None
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = _command_in(argv)
+    parser = build_parser(() if command is None else (command,))
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

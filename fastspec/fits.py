@@ -1,11 +1,10 @@
-"""Fits of SPEC.md §4: power-law scaling across widths and the spectral tail index."""
+"""Power-law scaling across widths and the spectral tail index (docs/fits.md)."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import stats
 
 __all__ = ["PowerLawFit", "TailFit", "fit_power_law", "tail_index"]
 
@@ -54,6 +53,10 @@ def _as_1d(name: str, v) -> np.ndarray:
 def _linregress(lx: np.ndarray, ly: np.ndarray) -> tuple[float, float, float, float]:
     if np.ptp(lx) == 0:
         raise ValueError("x: needs at least two distinct values to fit a slope")
+    # imported here, not at module level: `import fastspec` imports this module, and scipy.stats
+    # alone costs ~0.4 s of start-up that only a fit needs
+    from scipy import stats
+
     res = stats.linregress(lx, ly)
     r2 = 1.0 if np.ptp(ly) == 0 else float(res.rvalue) ** 2
     stderr = float(res.stderr) if len(lx) > 2 else float("nan")
@@ -61,7 +64,7 @@ def _linregress(lx: np.ndarray, ly: np.ndarray) -> tuple[float, float, float, fl
 
 
 def fit_power_law(x, y) -> PowerLawFit:
-    """Fit ``y = e^c · x^β`` by least squares of ``log y`` on ``log x`` (SPEC §4).
+    """Fit ``y = e^c · x^β`` by least squares of ``log y`` on ``log x``.
 
     ``x``, ``y``: 1-D, same length >= 2, strictly positive. Returns beta, intercept c, R² and
     the standard error of beta (NaN with only two points).
@@ -79,7 +82,7 @@ def fit_power_law(x, y) -> PowerLawFit:
 
 
 def tail_index(v, start: int | None = None, stop: int | None = None) -> TailFit:
-    """Tail exponent ``a`` of ``λ_k ∝ k^(−a)`` over the rank window ``[start, stop)`` (SPEC §4).
+    """Tail exponent ``a`` of ``λ_k ∝ k^(−a)`` over the rank window ``[start, stop)``.
 
     ``v``: 1-D spectrum in any order (sorted descending here). Window indices are 0-based into
     the sorted spectrum; defaults drop the first 5% (at least 1) and the last 20% of ranks,

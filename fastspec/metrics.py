@@ -1,8 +1,8 @@
-"""Spectral metrics of a batch of spectra (SPEC.md §3).
+"""Spectral metrics of a batch of spectra (definitions: docs/metrics.md).
 
 Every function takes ``v`` of shape ``[..., D]``: a batch of spectra (eigenvalues ``λ`` for the
 ``eig`` convention, singular values ``σ`` for ``sv``), in any order, and reduces the last axis,
-returning ``[...]``. Tiny negative values from round-off are clamped to 0 (SPEC §2). float64 in
+returning ``[...]``. Tiny negative values from round-off are clamped to 0 (docs/conventions.md). float64 in
 gives float64 out; float32/float16/bfloat16 are computed and returned in float32.
 
 With ``p = v / Σv`` sorted descending and ``cum_k = Σ_{i≤k} p_i``:
@@ -62,20 +62,20 @@ def _sorted_shares(v: Tensor) -> Tensor:
 
 
 def participation_ratio(v: Tensor, dim: int = -1) -> Tensor:
-    """Hard rank ``PR = (Σv)² / Σv²`` of spectra ``v: [..., D]`` -> ``[...]`` (SPEC §3)."""
+    """Hard rank ``PR = (Σv)² / Σv²`` of spectra ``v: [..., D]`` -> ``[...]``."""
     v = _prepare(v, dim)
     return v.sum(-1).square() / v.square().sum(-1)
 
 
 def entropy_rank(v: Tensor, dim: int = -1) -> Tensor:
-    """Soft rank ``eR = exp(−Σ p log p)`` with ``p = v/Σv`` and ``0·log 0 = 0`` (SPEC §3)."""
+    """Soft rank ``eR = exp(−Σ p log p)`` with ``p = v/Σv`` and ``0·log 0 = 0``."""
     v = _prepare(v, dim)
     p = v / v.sum(-1, keepdim=True)
     return torch.exp(-torch.xlogy(p, p).sum(-1))
 
 
 def normalized_rank(rank: Tensor | float, D: int) -> Tensor:
-    """``(rank − 1)/(D − 1)``, mapping a rank in [1, D] to [0, 1]; 0 when D == 1 (SPEC §3)."""
+    """``(rank − 1)/(D − 1)``, mapping a rank in [1, D] to [0, 1]; 0 when D == 1."""
     if not isinstance(D, int) or isinstance(D, bool) or D < 1:
         raise ValueError(f"D: expected a positive int (the spectrum length), got {D!r}")
     rank = torch.as_tensor(rank)
@@ -111,7 +111,7 @@ def spectral_utilization(v: Tensor, dim: int = -1) -> Tensor:
 
 
 def effective_dim(v: Tensor, dim: int = -1) -> Tensor:
-    """``eDim = 1 + (D − 1)·SUI`` in [1, D] (SPEC §3)."""
+    """``eDim = 1 + (D − 1)·SUI`` in [1, D]."""
     v = _prepare(v, dim)
     return 1 + (v.shape[-1] - 1) * spectral_utilization(v)
 
@@ -134,7 +134,7 @@ def _resolve_k(k_or_fraction: int | float, D: int) -> int:
 
 
 def top_share(v: Tensor, k_or_fraction: int | float, dim: int = -1) -> Tensor:
-    """Share of the top-k values ``cum_k``; a float f in (0, 1] means ``k = ceil(f·D)`` (SPEC §3)."""
+    """Share of the top-k values ``cum_k``; a float f in (0, 1] means ``k = ceil(f·D)``."""
     v = _prepare(v, dim)
     k = _resolve_k(k_or_fraction, v.shape[-1])
     return _sorted_shares(v)[..., :k].sum(-1)
@@ -142,7 +142,7 @@ def top_share(v: Tensor, k_or_fraction: int | float, dim: int = -1) -> Tensor:
 
 @dataclass(frozen=True)
 class SpectrumMetrics:
-    """Every SPEC §3 metric of a batch of spectra; each field has the batch shape ``[...]``.
+    """Every metric of docs/metrics.md for a batch of spectra; each field has the batch shape ``[...]``.
 
     ``n`` (rows seen) and ``rejected`` (rows dropped for NaN/Inf) are filled when the metrics
     come from a :class:`fastspec.Covariance`, and are ``None`` otherwise.
@@ -174,7 +174,7 @@ class SpectrumMetrics:
 
 
 def summarize(v: Tensor, dim: int = -1) -> SpectrumMetrics:
-    """All SPEC §3 metrics of spectra ``v: [..., D]`` at once, sharing one sort."""
+    """All metrics of docs/metrics.md for spectra ``v: [..., D]`` at once, sharing one sort."""
     v = _prepare(v, dim)
     D = v.shape[-1]
     pr = participation_ratio(v)

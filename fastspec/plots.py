@@ -180,7 +180,7 @@ def spectrum_plot(spectra, *, normalize: bool = True):
 
 
 def cumulative_variance_plot(spectra):
-    """Cumulative share ``cum_k`` vs the fraction ``k/D`` of dimensions (SPEC §3); the diagonal
+    """Cumulative share ``cum_k`` vs the fraction ``k/D`` of dimensions; the diagonal
     is a flat spectrum."""
     fig = _figure()
     ax = fig.add_subplot()

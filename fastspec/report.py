@@ -156,7 +156,7 @@ def write_report(run_dir) -> Path:
     lines.append("")
     if _has(df, "keys", "participation_ratio"):
         table = analysis.summary_table(df, "keys", "participation_ratio")
-        lines += ["## Key rank (SPEC §5: post-RoPE keys, sv participation ratio, mean over heads then layers)", "",
+        lines += ["## Key rank (post-RoPE keys, sv participation ratio, mean over heads then layers)", "",
                   markdown_table(_rows(table), [
                       ("condition", "condition"), ("initial", "initial PR"), ("min", "min PR"),
                       ("min_step", "min at step"), ("final", "final PR"), ("final_step", "final step"),
@@ -184,19 +184,19 @@ def write_report(run_dir) -> Path:
                     t = analysis.trajectory(df[df["condition"] == cond], "ffn", metric)
                     row[metric] = float(t.sort_values("step")["mean"].iloc[-1]) if len(t) else None
             rows.append(row)
-        lines += ["## FFN post-activation (SPEC §5, eig convention; final step, mean over layers)", "",
+        lines += ["## FFN post-activation (eig convention; final step, mean over layers)", "",
                   markdown_table(rows, [("condition", "condition"), ("participation_ratio", "PR"),
                                         ("entropy_rank", "entropy rank"), ("utilization", "utilization"),
                                         ("sui", "SUI"), ("lambda_max", "λ_max")]), ""]
     if spectra:
         tf = _tail_fits(spectra)
-        lines += ["## Spectral tail index (SPEC §4) and λ_max of the final spectra", "",
+        lines += ["## Spectral tail index a (λ_k ∝ k^(−a)) and λ_max of the final spectra", "",
                   markdown_table(_rows(tf), [("name", "spectrum"), ("D", "D"), ("lambda_max", "λ_max"),
                                                          ("a", "tail index a"), ("r2", "R²")]), ""]
     wf = None
     if "width" in df.columns and df["width"].nunique() >= 2:
         wf = analysis.width_fits(df, width_col="width")
-        lines += ["## Width fits (SPEC §4)", "", markdown_table(_rows(wf), [
+        lines += ["## Width fits (layer-median metric ∝ width^β)", "", markdown_table(_rows(wf), [
             ("metric", "metric"), ("beta", "β"), ("stderr", "SE"), ("ci_low", "CI low"), ("ci_high", "CI high"),
             ("r2", "R²")]), ""]
     made = _plots(df, spectra, run_dir / "plots", wf)

@@ -1,4 +1,4 @@
-"""Analysis tables and fits (SPEC §4, §5) against values computed by hand from the records."""
+"""Analysis tables and fits (docs/fits.md, docs/protocols.md) against values computed by hand from the records."""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,5 @@
-"""fastspec.Covariance on the torch path: against fp64 ground truth (SPEC.md §1–§3)."""
+"""fastspec.Covariance on the torch path: against fp64 ground truth (docs/accumulators.md,
+docs/conventions.md, docs/metrics.md)."""
 import pytest
 import torch
 

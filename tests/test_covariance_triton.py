@@ -1,4 +1,4 @@
-"""Triton covariance-update kernels vs the plain-torch reference and fp64 ground truth (SPEC §1).
+"""Triton covariance-update kernels vs the plain-torch reference and fp64 ground truth (docs/accumulators.md).
 
 Every kernel test builds its tensors on ``DEVICE``: CUDA when available (the compiled kernels),
 else CPU, where the kernels run under ``TRITON_INTERPRET=1`` (set by conftest), so sizes stay small.

@@ -157,7 +157,7 @@ def test_report_survives_a_diverged_condition(tmp_path):
 
 
 def test_report_of_a_width_sweep_fits_and_plots_it(tmp_path):
-    """Records with a ``width`` column (SPEC §5 FFN width study) get the width-fit table and figure."""
+    """Records with a ``width`` column (an FFN width study) get the width-fit table and figure."""
     rows = []
     for width in (64, 128, 256, 512):
         for layer in range(3):

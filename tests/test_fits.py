@@ -1,4 +1,4 @@
-"""SPEC.md §4 fits: power-law scaling and spectral tail index."""
+"""Fits of docs/fits.md: power-law scaling and spectral tail index."""
 import math
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""SPEC.md §3 metrics: boundary spectra, closed forms, identities and invariances."""
+"""Metrics of docs/metrics.md: boundary spectra, closed forms, identities and invariances."""
 import math
 
 import pytest
@@ -54,13 +54,13 @@ def test_concentration_rises_with_power_law_exponent():
     sc = [M.spectral_concentration(k ** (-a)).item() for a in alphas]
     assert all(b > a for a, b in zip(sc, sc[1:]))
     assert sc[0] == pytest.approx(0.0, abs=1e-12)
-    assert sc[alphas.index(0.8)] == pytest.approx(0.57, abs=0.03)  # SPEC §3 sanity value
+    assert sc[alphas.index(0.8)] == pytest.approx(0.57, abs=0.03)  # the sanity value of docs/metrics.md
     assert sc[alphas.index(2.0)] > 0.98
 
 
 def test_concentration_D_dependence_fades_for_steep_power_laws():
     # 1 − SC shrinks like D^(1−α) for 1 < α < 2: between D = 1024 and 4096 SC moves by < 0.03
-    # at α = 1.5 and < 0.01 at α = 2, while at α = 1 it still moves by ~0.04 (SPEC §3).
+    # at α = 1.5 and < 0.01 at α = 2, while at α = 1 it still moves by ~0.04 (docs/metrics.md).
     def sc(a, D):
         return M.spectral_concentration(torch.arange(1, D + 1, dtype=torch.float64) ** -a).item()
 

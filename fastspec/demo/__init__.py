@@ -1,4 +1,4 @@
-"""``fastspec demo``: the QK-norm key-rank study of SPEC §5 in miniature, on no-download text.
+"""``fastspec demo``: the QK-norm key-rank study (docs/protocols.md) in miniature, on no-download text.
 
 Three small decoders (Qwen3 with learned Q/K-norm γ, the same with γ frozen at 1, Llama without
 Q/K norm) train from one seed on the interpreter's stdlib source as bytes; the probe measures

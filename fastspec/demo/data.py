@@ -3,7 +3,8 @@
 Tokens are bytes (vocabulary 256), so there is no tokenizer to fetch. Files are read in sorted
 order from ``os.path.dirname(os.__file__)``, so the corpus is the same on every run of the
 same Python version. The last ``eval_fraction`` of the bytes is held out for the fixed
-evaluation batch (SPEC §5: fixed batch, fixed seed, identical across conditions).
+evaluation batch: fixed batch, fixed seed, identical across conditions (the key-rank eval protocol
+of docs/protocols.md).
 """
 from __future__ import annotations
 

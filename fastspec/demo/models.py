@@ -1,4 +1,4 @@
-"""The demo's three conditions, built from Hugging Face configs (SPEC §5 QK-norm study).
+"""The demo's three conditions, built from Hugging Face configs (the QK-norm study).
 
 * ``qk_norm``: Qwen3 layout, per-head RMSNorm on queries and keys with learned scale γ;
 * ``qk_norm_frozen``: the same model with every q_norm/k_norm γ frozen at 1;

@@ -36,7 +36,7 @@ def as_dicts(records) -> list[dict]:
 
 
 def scalars(records, prefix: str = "fastspec") -> dict[str, float]:
-    """Flat ``{tag: value}`` of records from one measurement (SPEC §5 aggregation).
+    """Flat ``{tag: value}`` of records from one measurement (the aggregation of docs/protocols.md).
 
     ``{prefix}/{site}/{metric}/layer{l}``: mean over heads of layer l;
     ``{prefix}/{site}/{metric}/mean``: mean over layers of those;

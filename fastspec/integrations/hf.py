@@ -1,4 +1,5 @@
-"""Hugging Face ``Trainer``: a callback that runs the SPEC §5 eval-protocol probe on a schedule."""
+"""Hugging Face ``Trainer``: a callback that runs the eval-protocol probe (docs/protocols.md) on a
+schedule."""
 from __future__ import annotations
 
 from transformers import TrainerCallback

@@ -1,4 +1,4 @@
-"""PyTorch Lightning: a callback that runs the SPEC §5 eval-protocol probe on a schedule.
+"""PyTorch Lightning: a callback that runs the eval-protocol probe (docs/protocols.md) on a schedule.
 
 Needs ``lightning`` (or the older ``pytorch_lightning`` package).
 """
