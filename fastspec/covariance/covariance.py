@@ -389,8 +389,9 @@ class Covariance:
         raw uncentered data matrix, ``σ = sqrt(λ(G))`` (docs/conventions.md). ``dtype`` is the precision of
         the eigensolve; by default float64 for ``sv`` (a float32 solve would blur every singular
         value below ~3e-4·σ_max) and for ``eig`` float32 on CUDA (the fast batched solver),
-        float64 elsewhere (``fastspec.covariance.policy``). A site without a defined matrix
-        (``eig`` with fewer than 2 rows) gets an all-NaN spectrum.
+        float64 elsewhere (``fastspec.covariance.policy``). An ``eig`` site with one row (an
+        undefined covariance) gets an all-NaN spectrum, a site with no rows an all-zero one;
+        their metrics are NaN either way.
         """
         return spectra(self.matrix(convention), convention, dtype=dtype)
 

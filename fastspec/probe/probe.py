@@ -91,7 +91,7 @@ class Probe:
             updates. ``"auto"`` (default): exact for ``sv`` sites (the key rank then matches
             float64 ``svdvals`` to ~1e-8 even for rank-deficient heads) on CPU and on GPUs with
             full-rate float64, fast (the Triton kernels on CUDA) for ``eig`` sites and elsewhere.
-            ``"fast"`` everywhere moves a rank-deficient head's key PR by up to ~2e-4. The
+            ``"fast"`` everywhere moves a rank-deficient head's key PR by up to ~4e-4. The
             policy and its accuracy: ``fastspec.covariance.policy``.
         exact_sv: deprecated spelling of ``precision``: ``True`` = ``"auto"``, ``False`` = ``"fast"``.
         every: streaming: capture the forwards of one step in ``every`` (at least; ``budget``
