@@ -1,9 +1,10 @@
-"""Per-head bf16 key and FFN activation covariance accumulation: fastspec vs the plain-torch path."""
+"""Per-head bf16 key and FFN activation covariance accumulation: fastspec vs the plain-torch path.
+
+Cases: ``fastspec.bench.cases("covariance", ...)``; parametrization and body: ``conftest.py``.
+"""
 import pytest
 
-from fastspec.bench.pytest_cases import params, run_benchmark
 
-
-@pytest.mark.parametrize("case, side", params("covariance"))
-def test_covariance(benchmark, case, side):
+@pytest.mark.suite("covariance")
+def test_covariance(benchmark, case, side, run_benchmark):
     run_benchmark(benchmark, case, side)

@@ -1,9 +1,11 @@
-"""fastspec.eigvalsh vs torch.linalg.eigvalsh (and CuPy on CUDA) on batches of fp32 Gram matrices."""
+"""fastspec.eigvalsh vs torch.linalg.eigvalsh and the external batched solvers (cuSOLVER, JAX,
+CuPy, where available) on batches of Gram matrices.
+
+Cases: ``fastspec.bench.cases("eigvalsh", ...)``; parametrization and body: ``conftest.py``.
+"""
 import pytest
 
-from fastspec.bench.pytest_cases import params, run_benchmark
 
-
-@pytest.mark.parametrize("case, side", params("eigvalsh"))
-def test_eigvalsh(benchmark, case, side):
+@pytest.mark.suite("eigvalsh")
+def test_eigvalsh(benchmark, case, side, run_benchmark):
     run_benchmark(benchmark, case, side)

@@ -1,9 +1,11 @@
-"""SPEC §5 key-rank protocol end to end: fastspec.Probe.measure vs hooks + svdvals per head."""
+"""The key-rank protocol (docs/protocols.md) end to end: fastspec.Probe.measure vs hooks +
+svdvals per head.
+
+Cases: ``fastspec.bench.cases("keyrank", ...)``; parametrization and body: ``conftest.py``.
+"""
 import pytest
 
-from fastspec.bench.pytest_cases import params, run_benchmark
 
-
-@pytest.mark.parametrize("case, side", params("keyrank"))
-def test_keyrank(benchmark, case, side):
+@pytest.mark.suite("keyrank")
+def test_keyrank(benchmark, case, side, run_benchmark):
     run_benchmark(benchmark, case, side)

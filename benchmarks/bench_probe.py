@@ -1,9 +1,11 @@
-"""Issue 13: Probe.measure and keys-only streaming overhead, the key-rank computation vs svdvals."""
+"""Probe overhead near the floor: Probe.measure and keys-only streaming vs the work they ride on,
+the key-rank computation vs svdvals.
+
+Cases: ``fastspec.bench.cases("probe", ...)``; parametrization and body: ``conftest.py``.
+"""
 import pytest
 
-from fastspec.bench.pytest_cases import params, run_benchmark
 
-
-@pytest.mark.parametrize("case, side", params("probe"))
-def test_probe(benchmark, case, side):
+@pytest.mark.suite("probe")
+def test_probe(benchmark, case, side, run_benchmark):
     run_benchmark(benchmark, case, side)

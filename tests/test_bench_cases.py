@@ -6,7 +6,8 @@ import time
 import pytest
 import torch
 
-from fastspec.bench.cases import SUITES, cases, max_rel_err
+from fastspec.bench.case import max_rel_err
+from fastspec.bench.cases import SUITES, cases
 from fastspec.bench.timing import measure, measure_interleaved
 
 CPU = torch.device("cpu")
@@ -15,7 +16,7 @@ CPU = torch.device("cpu")
 def test_hand_key_rank_sees_post_rope_keys():
     """The hand protocol's keys are what attention uses: compare with the KV cache (post-RoPE)."""
     pytest.importorskip("transformers")
-    from fastspec.bench.cases_models import MODEL_SHAPES, build_llama, hand_key_rank
+    from fastspec.bench.models import MODEL_SHAPES, build_llama, hand_key_rank
 
     model = build_llama("quick", CPU)
     ids = torch.randint(MODEL_SHAPES["quick"]["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(0))
@@ -32,7 +33,7 @@ def test_hand_key_rank_sees_post_rope_keys():
 
 def test_hand_key_rank_restores_train_mode_and_removes_hooks():
     pytest.importorskip("transformers")
-    from fastspec.bench.cases_models import build_llama, hand_key_rank
+    from fastspec.bench.models import build_llama, hand_key_rank
 
     model = build_llama("quick", CPU).train()
     ids = torch.randint(100, (1, 8))

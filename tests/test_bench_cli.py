@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
-from fastspec.bench.accuracy import FAMILIES, SIZES
+from fastspec.bench.accuracy import SIZES
 from fastspec.bench.cases import SUITES
 from fastspec.cli import main
+from fastspec.eig.cases import FAMILIES
 
 ENV_KEYS = {"fastspec", "python", "torch", "cuda", "device", "driver", "cpu", "triton"}
 
@@ -27,10 +29,16 @@ def _check_header(doc: dict, kind: str) -> None:
     assert doc["date"].endswith("Z") and len(doc["date"]) == 20
 
 
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
 @pytest.fixture(scope="module")
 def bench_doc(tmp_path_factory):
     path = tmp_path_factory.mktemp("bench") / "quick.json"
+    readme = README.read_bytes()
     rc = main(["bench", "--quick", "--repeats", "2", "--warmup", "1", "--json", str(path)])
+    # the README's table is regenerated on request only (python -m fastspec.bench.table)
+    assert README.read_bytes() == readme, "fastspec bench rewrote README.md"
     return rc, _strict_json(path)
 
 

@@ -1,4 +1,4 @@
-"""Layer fitting of the ``train_step`` suite (fastspec.bench.cases_models.fit_layers) and the
+"""Layer fitting of the ``train_step`` suite (fastspec.bench.models.fit_layers) and the
 model suites end to end through the runner, with what they record in result rows."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import weakref
 import pytest
 import torch
 
-from fastspec.bench import cases_models
+from fastspec.bench import cases_models, models
 from fastspec.bench.cases import cases
-from fastspec.bench.cases_models import OutOfMemory, fit_layers
+from fastspec.bench.models import OutOfMemory, fit_layers
 from fastspec.bench.runner import run_cases
 
 CPU = torch.device("cpu")
@@ -161,7 +161,7 @@ def test_gpu_cases_are_built_without_building_a_model(monkeypatch):
     def no_build(*args, **kwargs):
         raise AssertionError("a model was built at case construction")
 
-    monkeypatch.setattr(cases_models, "build_llama", no_build)
+    monkeypatch.setattr(models, "build_llama", no_build)
     sizes = {c.size for s in ("train_step", "keyrank") for c in cases(s, "gpu", CPU)}
     assert sizes == {"L32-KV8-d128-ff8192-N4x2048-bf16"}
 
@@ -196,19 +196,19 @@ def _fake_oom_above(monkeypatch, limit: int, requested: int, floor: int) -> Buil
     (initially ``limit``) runs out of memory. Returns the depths of the models actually built."""
     built = Built()
     built.limit = limit
-    real = cases_models.build_llama
+    real = models.build_llama
 
-    def build_llama(tier, device, layers=None):
+    def build_llama(tier, device, layers=None, *, shape=None):
         if layers > built.limit:
             raise OutOfMemory(f"CUDA out of memory. Tried to allocate 1.00 GiB ({layers} layers)")
-        model = real(tier, device, layers)
+        model = real(tier, device, layers, shape=shape)
         built.append(len(model.model.layers))
         return model
 
-    monkeypatch.setitem(cases_models.MODEL_SHAPES, "quick",
-                        {**cases_models.MODEL_SHAPES["quick"], "num_hidden_layers": requested})
-    monkeypatch.setattr(cases_models, "build_llama", build_llama)
-    monkeypatch.setattr(cases_models, "MIN_LAYERS", floor)
+    monkeypatch.setitem(models.MODEL_SHAPES, "quick",
+                        {**models.MODEL_SHAPES["quick"], "num_hidden_layers": requested})
+    monkeypatch.setattr(models, "build_llama", build_llama)
+    monkeypatch.setattr(models, "MIN_LAYERS", floor)
     return built
 
 

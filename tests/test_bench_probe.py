@@ -1,4 +1,4 @@
-"""The ``probe`` benchmark suite (issue 13) at quick sizes: structure, one call of every side, and
+"""The ``probe`` benchmark suite (probe overhead near the floor) at quick sizes: structure, one call of every side, and
 accuracy checks that return numbers. No timing is asserted (performance lives in benchmarks)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from fastspec.bench import cases_models, cases_probe
+from fastspec.bench import cases_probe, models
 from fastspec.bench.cases import SUITES, cases
 from fastspec.bench.runner import run_cases
 
@@ -32,7 +32,7 @@ def test_probe_suite_is_registered_with_four_cases_per_tier():
         }
 
 
-def test_sizes_are_the_issue_shapes():
+def test_sizes_are_the_target_shapes():
     cpu, gpu = _by_kind("cpu"), _by_kind("gpu")
     assert cpu["measure"].size == "measure-L8-KV8-d128-ff1536-N4x256-fp32"
     assert cpu["train_step"].size == "train_step-L8-KV8-d128-ff1536-N4x256-fp32"
@@ -45,8 +45,7 @@ def test_gpu_cases_are_built_without_building_a_model_or_keys(monkeypatch):
     def no_build(*args, **kwargs):
         raise AssertionError("built at case construction")
 
-    for module in (cases_models, cases_probe):
-        monkeypatch.setattr(module, "build_llama", no_build)
+    monkeypatch.setattr(models, "build_llama", no_build)
     monkeypatch.setattr(cases_probe, "synthetic_keys", no_build)
     assert len(cases("probe", "gpu", CPU)) == 4
 

@@ -64,7 +64,7 @@ def test_matches_host_twin(n):
 
 
 def test_large_batch_4096x128():
-    A = torch.from_numpy(make_batch("gram_activations", 128, 64)).float().cuda().repeat(64, 1, 1)
+    A = torch.from_numpy(make_batch("gram-activations", 128, 64)).float().cuda().repeat(64, 1, 1)
     out = cuda(A)
     assert out.shape == (4096, 128)
     assert torch.equal(out, out[:64].repeat(64, 1))  # every block computes the same as its twin

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from fastspec.bench import runner
-from fastspec.bench.cases import Case
+from fastspec.bench.case import Case
 from fastspec.cli import main
 
 REPO = Path(__file__).resolve().parents[1]

@@ -66,6 +66,20 @@ def _keys_by_hand(model, inputs: dict) -> dict[int, torch.Tensor]:
     return {layer: k[keep] for layer, k in captured.items()}
 
 
+def _ffn_inputs_by_hand(model, inputs: dict) -> dict[int, torch.Tensor]:
+    """Inputs of every Llama-layout down projection per layer, ``[B, T, d_ff]`` (padding included)."""
+    captured = {}
+    handles = [layer.mlp.down_proj.register_forward_pre_hook(
+        lambda m, a, i=i: captured.__setitem__(i, a[0].detach())) for i, layer in enumerate(model.model.layers)]
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return captured
+
+
 def _key_rank_by_hand(K: torch.Tensor) -> torch.Tensor:
     """The key-rank protocol (docs/protocols.md): sv-PR per head of ``K: [N, H, D]`` -> ``[H]``."""
     return torch.stack([participation_ratio(torch.linalg.svdvals(K[:, h].float()).double())
@@ -116,13 +130,7 @@ def test_fast_precision_sv_path_matches_hand_protocol(backend):
 def test_ffn_eig_metrics_match_covariance_eigvalsh():
     model = build("llama")
     inputs = batch(B=2, T=10, pad="right")
-    captured = {}
-    handles = [layer.mlp.down_proj.register_forward_pre_hook(
-        lambda m, a, i=i: captured.__setitem__(i, a[0].detach())) for i, layer in enumerate(model.model.layers)]
-    with torch.no_grad():
-        model(**inputs)
-    for h in handles:
-        h.remove()
+    captured = _ffn_inputs_by_hand(model, inputs)
     records = fastspec.Probe(model, keys=False).measure(inputs, step=0)
     keep = inputs["attention_mask"].bool()
     for layer, x in captured.items():
@@ -150,13 +158,7 @@ def test_spectra_are_the_hand_protocol_spectra_and_give_the_records(family):
         assert got.shape == (kv_heads, K.shape[-1]) and got.dtype == torch.float64
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * float(want.max()))
     keep = inputs["attention_mask"].bool()
-    captured = {}
-    handles = [layer.mlp.down_proj.register_forward_pre_hook(
-        lambda m, a, i=i: captured.__setitem__(i, a[0].detach())) for i, layer in enumerate(model.model.layers)]
-    with torch.no_grad():
-        model(**inputs)
-    for h in handles:
-        h.remove()
+    captured = _ffn_inputs_by_hand(model, inputs)
     for layer, x in captured.items():
         lam = torch.linalg.eigvalsh(torch.cov(x[keep].double().T)).flip(-1)
         got = spectra[("ffn", layer)]

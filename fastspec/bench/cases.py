@@ -1,98 +1,29 @@
-"""The benchmark cases, shared by ``benchmarks/bench_*.py`` (pytest-benchmark) and ``fastspec bench``.
+"""The registry of benchmark suites, shared by ``benchmarks/bench_*.py`` and ``fastspec bench``.
 
-A :class:`Case` is one (suite, size, fastspec variant): how to build its inputs, the fastspec
-callable, one or more baseline callables a user would otherwise write, and an accuracy check
-(error against an fp64 reference, or the PR difference against the hand-written protocol).
-Sizes come in three tiers:
+``cases(suite, tier, device)`` builds every :class:`~fastspec.bench.case.Case` of one suite.
+This module sits above the suite modules: it imports them (when a suite is asked for, so that
+listing one suite does not import the others' dependencies), and none of them imports it. The
+case type itself and the helpers the suites share live below, in :mod:`fastspec.bench.case`.
 
-* ``quick``: seconds on a 2-core CPU; CI and the Triton interpreter.
-* ``cpu``: the default without CUDA; scaled-down shapes with the same structure.
-* ``gpu``: the shapes the README claims (1.5B-model keys and FFN, 16384 matrices of 128×128).
+Suites (see benchmarks/README.md):
 
-Suites (see benchmarks/README.md): ``eigvalsh``, ``covariance``, ``keyrank`` (SPEC §5 key-rank
-protocol end to end), ``train_step`` (streaming-probe overhead on a Llama-style training step),
-``probe`` (issue 13: ``Probe.measure`` and keys-only streaming overhead, the key-rank computation
-alone vs ``svdvals`` per head).
+* ``eigvalsh`` (:mod:`~fastspec.bench.cases_eigvalsh`): batched symmetric eigenvalues.
+* ``covariance`` (:mod:`~fastspec.bench.cases_covariance`): streaming key and FFN covariances.
+* ``keyrank`` (:mod:`~fastspec.bench.cases_models`): the key-rank evaluation protocol of
+  docs/protocols.md end to end.
+* ``train_step`` (:mod:`~fastspec.bench.cases_models`): streaming-probe overhead on a
+  Llama-style training step.
+* ``probe`` (:mod:`~fastspec.bench.cases_probe`): what the probe costs on top of the work it
+  rides on (``Probe.measure`` vs the plain forward, keys-only streaming vs the plain step) and
+  the key-rank computation alone vs ``svdvals`` per head.
 """
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager
-
 import torch
 
-TIERS = ("quick", "cpu", "gpu")
+from .case import Case, check_tier, default_device
+
 SUITES = ("eigvalsh", "covariance", "keyrank", "train_step", "probe")
-
-Inputs = dict[str, Any]
-
-
-@dataclass
-class Case:
-    """One benchmark case; every callable takes the dict built by ``setup()``.
-
-    Attributes:
-        suite, size, variant: identify the case; ``size`` is a readable id (``B4096-n128-fp32``),
-            ``variant`` the fastspec configuration (``auto``, ``triton``, a solver backend).
-        setup: builds the inputs on the device (called once per case).
-        fastspec: the call being timed.
-        baselines: ``{name: call}`` timed the same way in the same run.
-        check: ``inputs -> {"fastspec_error": x, "baseline_error": y | None}``; ``error_kind``
-            says what the numbers are (e.g. ``max rel err vs fp64``).
-        rate: ``(unit, seconds -> value)`` for throughput next to time (GB/s, µs/matrix), or None.
-        fastspec_context: context manager entered around the fastspec timing (a probe's hooks).
-        skip: reason the case cannot run here (unavailable backend or dependency), else None.
-        notes: ``{what: why}`` for baselines left out here (e.g. ``{"cupy.linalg.eigvalsh": "cupy not installed"}``).
-        baseline_scale: ``{name: factor}`` for a baseline timed on a slice of the input because
-            it loops one call per item (``torch.linalg.eigvalsh`` on CUDA for n > 32): its
-            measured time is multiplied by ``factor`` (full batch / timed slice) and the row
-            records the factor.
-        overhead: the fastspec side is its baseline plus a probe: each row also gets
-            ``overhead_pct = (fastspec_s / baseline_s − 1)·100``.
-    """
-
-    suite: str
-    size: str
-    variant: str
-    setup: Callable[[], Inputs]
-    fastspec: Callable[[Inputs], Any]
-    baselines: dict[str, Callable[[Inputs], Any]]
-    check: Callable[[Inputs], dict[str, float | None]]
-    error_kind: str
-    rate: tuple[str, Callable[[float], float]] | None = None
-    fastspec_context: Callable[[Inputs], ContextManager] = field(
-        default=lambda inputs: contextlib.nullcontext())
-    skip: str | None = None
-    notes: dict[str, str] = field(default_factory=dict)
-    baseline_scale: dict[str, float] = field(default_factory=dict)
-    overhead: bool = False
-
-    @property
-    def id(self) -> str:
-        """Readable id for pytest: ``B4096-n128-fp32-auto``."""
-        return f"{self.size}-{self.variant}"
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def default_tier(device: torch.device) -> str:
-    return "gpu" if device.type == "cuda" else "cpu"
-
-
-def check_tier(tier: str) -> str:
-    if tier not in TIERS:
-        raise ValueError(f"tier: expected one of {TIERS}, got {tier!r}")
-    return tier
-
-
-def max_rel_err(x: torch.Tensor, ref: torch.Tensor, dims: tuple[int, ...] = (-1,)) -> float:
-    """``max over the batch of max|x − ref| / max|ref|`` along ``dims`` (error relative to scale)."""
-    diff = (x.double() - ref).abs().amax(dim=dims)
-    scale = ref.abs().amax(dim=dims).clamp_min(torch.finfo(torch.float64).tiny)
-    return float((diff / scale).max())
 
 
 def cases(suite: str, tier: str, device: torch.device | None = None) -> list[Case]:

@@ -1,9 +1,9 @@
 """covariance suite: streaming per-site accumulation, fastspec vs the plain-torch path.
 
 * ``keys``: bf16 keys in the Hugging Face layout ``[B, H, T, D]`` (8 KV heads of 128 on GPU),
-  accumulated per head as the raw Gram ``G = KᵀK`` (the ``sv`` convention, SPEC §2). fastspec
-  reads the ``[B, T, H, D]`` transpose view without a copy; the baseline is what one writes by
-  hand: ``(k.float().mT @ k.float()).sum(0)``.
+  accumulated per head as the raw Gram ``G = KᵀK`` (the ``sv`` convention of
+  docs/conventions.md). fastspec reads the ``[B, T, H, D]`` transpose view without a copy; the
+  baseline is what one writes by hand: ``(k.float().mT @ k.float()).sum(0)``.
 * ``ffn``: bf16 FFN activations ``[N, D]`` (16384 × 8192 on GPU), centered unbiased covariance
   (the ``eig`` convention); baseline ``torch.cov(x.float().T)``.
 
@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from .cases import Case, Inputs, max_rel_err
+from .case import Case, Inputs, max_rel_err
 
 KEY_SIZES = {"quick": [(1, 2, 64, 16)], "cpu": [(2, 8, 512, 128)], "gpu": [(8, 8, 2048, 128)]}
 FFN_SIZES = {"quick": [(256, 64)], "cpu": [(4096, 1024)], "gpu": [(16384, 8192)]}

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from .anchors import make_anchors
-from .cases import Case, Inputs, max_rel_err
+from .case import Case, Inputs, max_rel_err
 
 SIZES = {  # (batch, n, dtype)
     "quick": [(16, 32, torch.float32), (4, 64, torch.float32), (8, 32, torch.float64)],

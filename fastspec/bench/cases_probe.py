@@ -1,5 +1,5 @@
-"""``probe`` suite (issue 13, "Probe overhead near the floor"): what the probe costs on top of the
-work it rides on, and the key-rank computation on its own.
+"""``probe`` suite ("probe overhead near the floor"): what the probe costs on top of the work it
+rides on, and the key-rank computation on its own.
 
 Three cases per tier; each times fastspec and its baseline in the same run, round by round
 (:func:`fastspec.bench.timing.measure_interleaved`), so load drifting over the run hits both:
@@ -13,7 +13,7 @@ Three cases per tier; each times fastspec and its baseline in the same run, roun
 * ``train_step-…`` (variant ``keys-emit_every=100``): forward + backward + AdamW with a streaming
   ``Probe(model, keys=True, ffn=False, emit_every=100)`` (``probe.step`` every step) vs the same
   step without it; ``overhead_pct`` (target: ≤ 1, ≤ 2 acceptable). The ``train_step`` suite's case
-  (:func:`fastspec.bench.cases_models._train_step_case`, layer fitting included) with keys only.
+  (:func:`fastspec.bench.models.train_step_case`, layer fitting included) with keys only.
   Accuracy: |Δloss| with the probe attached (must be 0).
 * ``rank-…`` (variant ``covariance-sv``): the rank computation alone, from keys already in memory.
   fastspec: per layer ``Covariance((H, D), track_mean=False)``, ``update(k.transpose(1, 2))`` (a
@@ -28,32 +28,23 @@ over positions. RoPE spreads a rank-r head over all D dimensions with a long tai
 values (the slow rotary pairs barely turn over T positions): the hard case for fp32 Gram sums,
 which cannot resolve singular values below ~3e-4·σ_max.
 
-Shapes: ``cpu`` is the issue's (Llama, d_model 512, 8 layers, 8 query and 8 KV heads of 128,
+Shapes: ``cpu`` is a small Llama (d_model 512, 8 layers, 8 query and 8 KV heads of 128,
 d_ff 1536, vocab 8192, 4 × 256 tokens, fp32; rank: 8 layers × 8 heads × 4·2048 rows × 128);
-``gpu`` the 1.5B shape of :data:`~fastspec.bench.cases_models.MODEL_SHAPES` in bf16 with 4 × 2048
+``gpu`` the 1.5B shape of :data:`~fastspec.bench.models.MODEL_SHAPES` in bf16 with 4 × 2048
 tokens (rank: 32 layers × 8 heads × 4·2048 × 128, fp32); ``quick`` tiny.
 """
 from __future__ import annotations
 
 import torch
 
-from .cases import Case, Inputs
-from .cases_models import (
-    MODEL_SHAPES,
-    _requirements,
-    _size,
-    _tokens,
-    _train_step_case,
-    build_llama,
-    hand_key_rank,
-    probe_key_rank,
-)
+from . import models
+from .case import Case, Inputs
 
 PROBE_SHAPES: dict[str, dict[str, int]] = {
-    "quick": MODEL_SHAPES["quick"],
+    "quick": models.MODEL_SHAPES["quick"],
     "cpu": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
                 head_dim=128, intermediate_size=1536, vocab_size=8192),
-    "gpu": MODEL_SHAPES["gpu"],
+    "gpu": models.MODEL_SHAPES["gpu"],
 }
 PROBE_TOKENS = {"quick": (1, 32), "cpu": (4, 256), "gpu": (4, 2048)}  # (batch, sequence)
 RANK_SHAPES = {  # (layers, batch, heads, tokens per sequence, head_dim)
@@ -63,10 +54,10 @@ RANK_SHAPES = {  # (layers, batch, heads, tokens per sequence, head_dim)
 }
 DEFICIENT_RANKS = (1, 2, 4, 8)
 PR_TARGET = 1e-4
+"""Parity target of the ``rank`` case: max |PR − PR_fp64| / PR_fp64 (asserted by
+``benchmarks/bench_probe.py``; the timings' targets are read from the rows, never asserted)."""
 FAST_PR_BOUND = 1e-3
 """What ``precision="fast"`` (float32 products) may cost on the rank-deficient heads (~3e-4 seen)."""
-"""Issue 13's parity target for the ``rank`` case: max |PR − PR_fp64| / PR_fp64 (asserted by
-``benchmarks/bench_probe.py``; the timings' targets are read from the rows, never asserted)."""
 ROPE_THETA = 10000.0
 EMIT_EVERY = 100
 
@@ -75,8 +66,9 @@ def probe_cases(tier: str, device: torch.device) -> list[Case]:
     shape, tokens = PROBE_SHAPES[tier], PROBE_TOKENS[tier]
     return [
         _measure_case(tier, device, shape, tokens),
-        _train_step_case(tier, device, EMIT_EVERY, keys=True, ffn=False, shape=shape, tokens=tokens,
-                         suite="probe", size_prefix="train_step-", variant=f"keys-emit_every={EMIT_EVERY}"),
+        models.train_step_case(tier, device, EMIT_EVERY, shape=shape, batch_shape=tokens, keys=True,
+                               ffn=False, suite="probe", size_prefix="train_step-",
+                               variant=f"keys-emit_every={EMIT_EVERY}"),
         _rank_case(tier, device, RANK_SHAPES[tier]),
         _rank_case(tier, device, RANK_SHAPES[tier], precision="fast"),
     ]
@@ -89,8 +81,8 @@ def _measure_case(tier: str, device: torch.device, shape: dict[str, int], tokens
     def setup() -> Inputs:
         import fastspec
 
-        model = build_llama(tier, device, shape=shape).eval()
-        ids = _tokens(tier, tokens, device, shape["vocab_size"])
+        model = models.build_llama(tier, device, shape=shape).eval()
+        ids = models.tokens(tokens, shape["vocab_size"], device)
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         return {"model": model, "batch": batch, "probe": fastspec.Probe(model, keys=True, ffn=False)}
 
@@ -102,15 +94,16 @@ def _measure_case(tier: str, device: torch.device, shape: dict[str, int], tokens
             return inp["model"](**inp["batch"])
 
     def check(inp: Inputs) -> dict:
-        probe_pr = probe_key_rank(run(inp), L, H)
-        truth = hand_key_rank(inp["model"], inp["batch"], torch.float64)
-        hand32 = hand_key_rank(inp["model"], inp["batch"]).double()
+        probe_pr = models.probe_key_rank(run(inp), L, H)
+        truth = models.hand_key_rank(inp["model"], inp["batch"], torch.float64)
+        hand32 = models.hand_key_rank(inp["model"], inp["batch"]).double()
         return {"fastspec_error": _worst_rel(probe_pr, truth), "baseline_error": None,
                 "svdvals_fp32_pr_rel_err": _worst_rel(hand32, truth)}
 
-    return Case(suite="probe", size="measure-" + _size(tier, tokens, shape), variant="keys",
+    return Case(suite="probe", size="measure-" + models.size_id(tier, shape, tokens), variant="keys",
                 setup=setup, fastspec=run, baselines={"plain forward (eval, no_grad)": forward},
-                check=check, error_kind="max rel err of PR vs fp64", skip=_requirements(), overhead=True)
+                check=check, error_kind="max rel err of PR vs fp64", skip=models.requirements(),
+                overhead=True)
 
 
 def _worst_rel(pr: torch.Tensor, truth: torch.Tensor) -> float:

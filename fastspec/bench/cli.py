@@ -6,30 +6,33 @@ prints one table headed by device, driver/CUDA, torch, triton and fastspec versi
 
     fastspec bench                              # GPU sizes with CUDA, CPU sizes otherwise
     fastspec bench --quick                      # seconds on a CPU (CI)
-    fastspec bench --json benchmarks/results/h100-2026-11-21.json
+    fastspec bench --json benchmarks/results/<device>-<date>.json
     fastspec bench --accuracy                   # same as `fastspec compare`
-    fastspec bench --table                      # regenerate README's table from benchmarks/results
+    fastspec bench --table                      # regenerate the repository README's table
     fastspec bench --time-limit 240 --json r.json   # stop cleanly after 240 s, keep what ran
 
 Time cap: with ``--time-limit`` no case starts after the limit, and SIGTERM (``timeout``'s
 signal) ends the case in flight; either way the cases not measured get ``skipped`` rows naming
 the cap, ``--json`` holds every row measured so far (it is rewritten after each case, so even a
 SIGKILL keeps the finished ones) and the exit status is 0 unless a case raised.
+
+Layout: the flags both commands share are in :mod:`fastspec.bench.cli_common`; ``--accuracy``
+hands over to :mod:`fastspec.bench.cli_compare`, which imports nothing from here.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
 import signal
 import sys
-import time
 from pathlib import Path
+
+from .cli_common import add_time_limit, deadline_of, print_header, resolve, write_json
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .cases import SUITES, TIERS
+    from .case import TIERS
+    from .cases import SUITES
 
     p.add_argument("--quick", action="store_true", help="tiny sizes, seconds on a CPU (same as --tier quick)")
     p.add_argument("--tier", choices=TIERS, help="size tier (default: gpu with CUDA, cpu otherwise)")
@@ -47,22 +50,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_time_limit(p)
     p.add_argument("--accuracy", action="store_true", help="run the accuracy comparison only (fastspec compare)")
     p.add_argument("--table", action="store_true",
-                   help="regenerate README.md's benchmark table from benchmarks/results/*.json and exit")
-
-
-def add_time_limit(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--time-limit", type=float, metavar="SECONDS",
-                   help="stop cleanly after SECONDS: no new case starts, the rest are recorded as skipped")
-
-
-def deadline_of(args: argparse.Namespace) -> float | None:
-    """``time.monotonic()`` deadline from ``--time-limit`` (None without one)."""
-    limit = getattr(args, "time_limit", None)
-    if limit is None:
-        return None
-    if not limit > 0:
-        raise ValueError(f"--time-limit: expected seconds > 0, got {limit}")
-    return time.monotonic() + limit
+                   help="regenerate the README's benchmark table from benchmarks/results/*.json and exit "
+                        "(the same as python -m fastspec.bench.table)")
+    p.add_argument("--readme", type=Path, metavar="PATH",
+                   help="with --table: the README to rewrite (default: README.md of the repository "
+                        "holding the fastspec package)")
 
 
 @contextlib.contextmanager
@@ -84,40 +76,6 @@ def sigterm_as_time_cap():
         signal.signal(signal.SIGTERM, previous)
 
 
-def resolve(args: argparse.Namespace):
-    """``(device, tier)`` from the flags; ValueError naming the flag on a contradiction."""
-    import torch
-
-    from .cases import default_device, default_tier
-
-    device = default_device() if args.device is None else torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device: {args.device!r} requested but CUDA is not available")
-    if args.quick and args.tier not in (None, "quick"):
-        raise ValueError(f"--quick contradicts --tier {args.tier}")
-    tier = "quick" if args.quick else (args.tier or default_tier(device))
-    return device, tier
-
-
-def print_header(env: dict, tier: str) -> None:
-    from .table import describe_environment
-
-    print(f"# {describe_environment(env)}")
-    import torch
-
-    print(f"# python {env['python']} · {env.get('cpu')} · {torch.get_num_threads()} torch threads · sizes: {tier}")
-
-
-def write_json(path: Path, doc: dict, *, quiet: bool = False) -> None:
-    """Write ``doc`` atomically (a reader, or a kill mid-write, never sees half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
-    if not quiet:
-        print(f"wrote {path}")
-
-
 def select(cases: list, filters: list[str] | None) -> list:
     """Cases whose ``'suite size variant'`` contains any of ``filters`` (all without filters)."""
     if not filters:
@@ -126,11 +84,13 @@ def select(cases: list, filters: list[str] | None) -> list:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.readme is not None and not args.table:
+        raise ValueError("--readme: goes with --table (the README is only rewritten when asked)")
     if args.table:
-        from .table import update_readme
+        from .table import regenerate
 
-        fresh = update_readme(Path("README.md"), Path("benchmarks/results"))
-        print("README.md benchmark table " + ("already up to date" if fresh else "rewritten"))
+        readme, fresh = regenerate(args.readme)
+        print(f"{readme} benchmark table " + ("already up to date" if fresh else "rewritten"))
         return 0
     if args.accuracy:
         from .cli_compare import run as run_compare

@@ -15,7 +15,6 @@ slice of the input (see ``Case.baseline_scale``) has its time scaled to the full
 from __future__ import annotations
 
 import contextlib
-import gc
 import math
 import time
 from datetime import datetime, timezone
@@ -23,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from .cases import Case
+from .case import Case, free_memory
 from .timing import measure_interleaved
 
 SCHEMA = 1
@@ -32,12 +31,6 @@ SCHEMA = 1
 def _finite(x: float | None) -> float | None:
     """JSON has no NaN/Inf: they become None (and a NaN error is reported, not hidden)."""
     return None if x is None or not math.isfinite(x) else float(x)
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 class TimeCap(BaseException):
@@ -97,7 +90,7 @@ def run_case(case: Case, device: torch.device, *, warmup: int = 2, repeats: int 
         rows.append({**head, "error": f"{type(e).__name__}: {e}"})
     finally:
         inputs = None
-        _free(device)
+        free_memory(device)
     return rows
 
 
@@ -125,7 +118,7 @@ def run_cases(cases: list[Case], device: torch.device, *, warmup: int = 2, repea
             if on_rows is not None:
                 on_rows(rows)
     except TimeCap:
-        _free(device)
+        free_memory(device)
         if done < len(cases):
             rows.append({**_head(cases[done]), "skipped": CAP_DURING})
             done += 1

@@ -3,8 +3,14 @@
 The README's benchmark table is generated, never typed: every number in it comes from a result
 file in ``benchmarks/results/`` and each table names the device and file that produced it.
 
-    python -m fastspec.bench.table            # rewrite the block between the README markers
-    python -m fastspec.bench.table --check    # exit 1 if README.md is out of date
+    python -m fastspec.bench.table                  # rewrite the block between the README markers
+    python -m fastspec.bench.table --check          # exit 1 if the README is out of date
+    python -m fastspec.bench.table --readme PATH    # another README (results: PATH's folder/benchmarks/results)
+
+The README is rewritten only by this command (or ``fastspec bench --table``), never as a side
+effect of a benchmark run. Without ``--readme`` it is the repository's: ``README.md`` in the
+checkout that holds the imported ``fastspec`` package, whatever the current directory; an
+installed package has no such README, and the command says to pass ``--readme``.
 """
 from __future__ import annotations
 
@@ -150,11 +156,52 @@ def readme_block(results_dir: Path, relative_to: Path = Path(".")) -> str:
 
 def splice(readme: str, block: str) -> str:
     """``readme`` with the text between the markers replaced by ``block``."""
-    if readme.count(BEGIN) != 1 or readme.count(END) != 1 or readme.index(BEGIN) > readme.index(END):
+    if not has_block(readme):
         raise ValueError(f"readme: expected one {BEGIN} ... {END} block")
     head, rest = readme.split(BEGIN)
     tail = rest.split(END)[1]
     return f"{head}{BEGIN}\n{block}{END}{tail}"
+
+
+def has_block(text: str) -> bool:
+    """Whether ``text`` holds exactly one ``BEGIN ... END`` block (what :func:`splice` needs)."""
+    return text.count(BEGIN) == 1 and text.count(END) == 1 and text.index(BEGIN) < text.index(END)
+
+
+def repository_readme() -> Path:
+    """``README.md`` of the source checkout holding the imported ``fastspec`` package.
+
+    ValueError (one line, naming ``--readme``) when there is none with the table markers there,
+    e.g. for a package installed into site-packages.
+    """
+    import fastspec
+
+    root = Path(fastspec.__file__).resolve().parents[1]
+    readme = root / "README.md"
+    if not readme.is_file() or not has_block(readme.read_text()):
+        raise ValueError(f"--readme: no README.md with one {BEGIN} ... {END} block next to the fastspec "
+                         f"package ({root}); pass --readme PATH")
+    return readme
+
+
+def regenerate(readme: Path | None = None, results_dir: Path | None = None, *,
+               check: bool = False) -> tuple[Path, bool]:
+    """Rewrite (with ``check``: only compare) the table block of ``readme``; ``(readme, fresh)``.
+
+    ``readme`` defaults to :func:`repository_readme`, ``results_dir`` to ``benchmarks/results``
+    next to the README. ValueError (one line, naming the flag) for a README without the block or
+    a missing results folder: an empty folder would silently replace every table.
+    """
+    readme = repository_readme() if readme is None else Path(readme)
+    if not readme.is_file():
+        raise ValueError(f"--readme: {readme} is not a file")
+    if not has_block(readme.read_text()):
+        raise ValueError(f"--readme: {readme} has no single {BEGIN} ... {END} block; "
+                         f"pass --readme PATH of a README that has one")
+    results_dir = readme.parent / "benchmarks" / "results" if results_dir is None else Path(results_dir)
+    if not results_dir.is_dir():
+        raise ValueError(f"--results: {results_dir} is not a directory; pass --results DIR")
+    return readme, update_readme(readme, results_dir, check=check)
 
 
 def update_readme(readme: Path, results_dir: Path, *, check: bool = False) -> bool:
@@ -170,16 +217,26 @@ def update_readme(readme: Path, results_dir: Path, *, check: bool = False) -> bo
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fastspec.bench.table", description=__doc__.splitlines()[0])
-    p.add_argument("--readme", type=Path, default=Path("README.md"))
-    p.add_argument("--results", type=Path, default=Path("benchmarks/results"))
-    p.add_argument("--check", action="store_true", help="only check; exit 1 if README.md is stale")
+    prog = "python -m fastspec.bench.table"
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p.add_argument("--readme", type=Path, metavar="PATH",
+                   help="the README to rewrite (default: README.md of the repository holding the fastspec package)")
+    p.add_argument("--results", type=Path, metavar="DIR",
+                   help="result files (default: benchmarks/results next to the README)")
+    p.add_argument("--check", action="store_true", help="only check; exit 1 if the README is stale")
     args = p.parse_args(argv)
-    fresh = update_readme(args.readme, args.results, check=args.check)
-    if args.check and not fresh:
-        print(f"{args.readme} benchmark table is out of date: run python -m fastspec.bench.table",
-              file=sys.stderr)
-        return 1
+    try:
+        readme, fresh = regenerate(args.readme, args.results, check=args.check)
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    if args.check:
+        if not fresh:
+            print(f"{readme} benchmark table is out of date: run {prog}", file=sys.stderr)
+            return 1
+        print(f"{readme} benchmark table is up to date")
+    else:
+        print(f"{readme} benchmark table " + ("already up to date" if fresh else "rewritten"))
     return 0
 
 

@@ -1,5 +1,14 @@
 """pytest-benchmark glue for ``benchmarks/bench_*.py``: parametrization and one benchmark body.
 
+Kept here, outside the installed ``fastspec`` package, because it needs pytest; the cases
+themselves come from :func:`fastspec.bench.cases.cases`, the same ones ``fastspec bench`` runs.
+A bench file marks its test with the suite and asks for the ``case``, ``side`` and
+``run_benchmark`` fixtures:
+
+    @pytest.mark.suite("eigvalsh")
+    def test_eigvalsh(benchmark, case, side, run_benchmark):
+        run_benchmark(benchmark, case, side)
+
 Each case yields one test per side, ``fastspec`` and every baseline, grouped together so the
 pytest-benchmark table compares them in the same run. The fastspec side also asserts the case's
 accuracy claim, so the suites test the benchmark code itself when CI runs them with
@@ -18,9 +27,21 @@ import re
 import pytest
 import torch
 
-from .accuracy import FLOOR_EPS, within_bound
-from .cases import Case, Inputs, cases, check_tier, default_device, default_tier
-from .runner import _free
+from fastspec.bench.accuracy import FLOOR_EPS, within_bound
+from fastspec.bench.case import (
+    Case,
+    Inputs,
+    check_tier,
+    default_device,
+    default_tier,
+    free_memory,
+)
+from fastspec.bench.cases import SUITES, cases
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "suite(name): the fastspec.bench suite whose cases parametrize "
+                                       "this benchmark's 'case' and 'side' arguments")
 
 
 def tier_and_device() -> tuple[str, torch.device]:
@@ -44,6 +65,17 @@ def params(suite: str) -> list:
     return out
 
 
+def pytest_generate_tests(metafunc):
+    """Parametrize ``case, side`` of a test marked ``@pytest.mark.suite(name)``."""
+    marker = metafunc.definition.get_closest_marker("suite")
+    if marker is None:
+        return
+    (suite,) = marker.args
+    if suite not in SUITES:
+        raise ValueError(f"pytest.mark.suite: expected one of {SUITES}, got {suite!r}")
+    metafunc.parametrize("case, side", params(suite))
+
+
 _last: dict[int, Inputs] = {}
 
 
@@ -55,7 +87,7 @@ def _inputs(case: Case) -> Inputs:
     setups would share the GPU)."""
     if id(case) not in _last:
         _last.clear()
-        _free(default_device())
+        free_memory(default_device())
         _last[id(case)] = case.setup()
     return _last[id(case)]
 
@@ -80,7 +112,7 @@ def assert_accuracy(case: Case, errors: dict) -> None:
     elif case.suite == "train_step":
         assert fast == 0, f"{case.id}: the probe changed the loss by {fast:.3g}"
     elif case.suite == "probe":
-        from .cases_probe import FAST_PR_BOUND, PR_TARGET
+        from fastspec.bench.cases_probe import FAST_PR_BOUND, PR_TARGET
 
         if case.size.startswith("train_step-"):
             assert fast == 0, f"{case.id}: the probe changed the loss by {fast:.3g}"
@@ -88,12 +120,12 @@ def assert_accuracy(case: Case, errors: dict) -> None:
             base = errors["svdvals_fp32_pr_rel_err"]
             assert within_bound(fast, base), (
                 f"{case.id}: fastspec error {fast:.3g} > 2 × svdvals fp32 {base:.3g} + {FLOOR_EPS}·eps")
-        else:  # rank: issue 13's parity target with float64 svdvals (float32 products: looser)
+        else:  # rank: parity with float64 svdvals (PR_TARGET; float32 products: looser)
             bound = FAST_PR_BOUND if case.variant.endswith("-fast") else PR_TARGET
             assert fast <= bound, f"{case.id}: PR rel err vs fp64 {fast:.3g} > {bound:g}"
 
 
-def run_benchmark(benchmark, case: Case, side: str, *, rounds: int = 5, warmup: int = 2) -> None:
+def _run_benchmark(benchmark, case: Case, side: str, *, rounds: int = 5, warmup: int = 2) -> None:
     inputs = _inputs(case)
     fn = case.fastspec if side == "fastspec" else case.baselines[side]
     benchmark.group = f"{case.suite} {case.size}"
@@ -112,3 +144,10 @@ def run_benchmark(benchmark, case: Case, side: str, *, rounds: int = 5, warmup: 
     context = case.fastspec_context(inputs) if side == "fastspec" else contextlib.nullcontext()
     with context:
         benchmark.pedantic(call, rounds=rounds, warmup_rounds=warmup, iterations=1)
+
+
+@pytest.fixture
+def run_benchmark():
+    """``run_benchmark(benchmark, case, side)``: set up the case (once for all its sides), check
+    the fastspec side's accuracy claim, then time the side with pytest-benchmark."""
+    return _run_benchmark

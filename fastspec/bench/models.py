@@ -1,0 +1,315 @@
+"""Llama-style models for the model suites (``keyrank``, ``train_step``, ``probe``): building
+them, their inputs, the hand-written key-rank protocol, and the training-step case with layer
+fitting.
+
+Shared by :mod:`fastspec.bench.cases_models` (the ``keyrank`` and ``train_step`` suites) and
+:mod:`fastspec.bench.cases_probe` (the ``probe`` suite); it imports only
+:mod:`fastspec.bench.case` and :mod:`fastspec.bench.timing`, so neither suite module imports the
+other. Models are ``transformers.LlamaForCausalLM`` built from a config (:data:`MODEL_SHAPES`)
+with random weights: timings and protocol agreement do not depend on training. The ``gpu``
+shape is the 1.5B model of the key-rank protocol (docs/protocols.md: d_model 2048, 32 layers,
+16 query / 8 KV heads of 128, d_ff 8192) in bf16; ``cpu``/``quick`` are small fp32 models of
+the same layout.
+
+Layer fitting (:func:`train_step_case`, every tier, see :func:`fit_layers`): a bf16 training
+step with AdamW at the 1.5B shape needs ~17 GB of weights, grads and Adam state plus tens of GB
+of activations and the probe's FFN accumulators, which may not fit next to anything else on an
+80 GB GPU, and ``emit_every=1`` may be too slow for the tier's time cap. So ``setup()`` runs a
+trial step at the requested depth and halves the layer count on out-of-memory or when the trial
+says the timed rounds would overrun :data:`STEP_BUDGET_S`. How it is recorded, given that the
+runner reads ``size`` before ``setup()`` runs (``--filter``, time-cap rows and the row head are
+all keyed on it): ``size`` stays the requested shape (``L32-...``); every measured row gets the
+numeric extras ``layers`` (what ran) and ``layers_requested``; a reduced case also gets a note
+row ``{"baseline": "32 layers", "skipped": "reduced to 16 layers: <why>"}``. Fewer layers lower
+``overhead_pct`` slightly (the embedding and LM head are a fixed share of the step).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .case import Case, Inputs, free_memory
+from .timing import time_once
+
+# Catch the allocator's own error only: any other failure of the trial is a real error of the case.
+# torch.OutOfMemoryError is the public name since torch 2.5; older ones only have the CUDA alias.
+OutOfMemory = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+
+MIN_LAYERS = 4
+"""Fewest layers a reduced ``train_step`` case may run (below it the overhead would be mostly the
+fixed embedding/LM-head cost, not the per-layer cost the suite measures)."""
+STEP_BUDGET_S = 60.0
+"""Seconds the timed rounds of one ``train_step`` case may take (probed + plain step per round):
+the GPU run caps each tier at a few minutes, shared by two ``train_step`` cases and ``keyrank``."""
+TIMED_CALLS = 7
+"""Rounds the budget is computed for: ``fastspec bench``'s default warmup 2 + repeats 5."""
+
+MODEL_SHAPES: dict[str, dict[str, int]] = {
+    "quick": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, intermediate_size=128, vocab_size=128),
+    "cpu": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=64, intermediate_size=688, vocab_size=512),
+    "gpu": dict(hidden_size=2048, num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=8,
+                head_dim=128, intermediate_size=8192, vocab_size=32000),
+}
+
+
+def requirements() -> str | None:
+    """Why the model suites cannot run here (None: they can)."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return "transformers not installed (pip install 'fastspec[hf]')"
+    import fastspec
+
+    if not hasattr(fastspec, "Probe"):
+        return "fastspec.Probe is not available in this version"
+    return None
+
+
+def model_dtype(tier: str) -> torch.dtype:
+    """bf16 at the ``gpu`` tier (what training runs in), fp32 below it."""
+    return torch.bfloat16 if tier == "gpu" else torch.float32
+
+
+def build_llama(tier: str, device: torch.device, layers: int | None = None, *,
+                shape: dict[str, int] | None = None) -> Any:
+    """A randomly initialised ``LlamaForCausalLM`` of the tier's shape on ``device``;
+    ``layers`` overrides the tier's layer count, ``shape`` the tier's :data:`MODEL_SHAPES` entry
+    (the dtype stays the tier's)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = dict(MODEL_SHAPES[tier] if shape is None else shape)
+    if layers is not None:
+        shape["num_hidden_layers"] = layers
+    config = LlamaConfig(**shape, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    return model.to(model_dtype(tier))
+
+
+def tokens(batch_shape: tuple[int, int], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[batch, sequence]`` random token ids below ``vocab``, the same on every device."""
+    g = torch.Generator(device="cpu").manual_seed(1234)
+    return torch.randint(vocab, batch_shape, generator=g).to(device)
+
+
+def size_id(tier: str, shape: dict[str, int], batch_shape: tuple[int, int]) -> str:
+    """The readable ``size`` of a model case: ``L32-KV8-d128-ff8192-N4x2048-bf16``."""
+    dt = "bf16" if model_dtype(tier) == torch.bfloat16 else "fp32"
+    return (f"L{shape['num_hidden_layers']}-KV{shape['num_key_value_heads']}-d{shape['head_dim']}"
+            f"-ff{shape['intermediate_size']}-N{batch_shape[0]}x{batch_shape[1]}-{dt}")
+
+
+def hand_key_rank(model: Any, batch: dict[str, torch.Tensor],
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Key-rank PR per (layer, KV head), ``[L, H_kv]``, the way one writes the key-rank
+    protocol (docs/protocols.md) by hand.
+
+    ``dtype`` is the precision of ``svdvals`` (the protocol says fp32; float64 gives the truth
+    both fp32 paths are measured against).
+
+    Forward hooks take every layer's ``k_proj`` output and the rotary ``(cos, sin)`` handed to its
+    attention; post-RoPE keys are rebuilt with the model's own ``apply_rotary_pos_emb`` (so they
+    are bit-identical to what attention sees), then ``svdvals`` of each head's ``[n, d]`` keys.
+    """
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    layers = model.model.layers
+    cfg = model.config
+    H, d = cfg.num_key_value_heads, getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
+    keys: dict[int, torch.Tensor] = {}
+    rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    handles = []
+    for i, layer in enumerate(layers):
+        attn = layer.self_attn
+        handles.append(attn.register_forward_pre_hook(
+            lambda m, args, kwargs, i=i: rope.__setitem__(i, kwargs["position_embeddings"]), with_kwargs=True))
+        handles.append(attn.k_proj.register_forward_hook(
+            lambda m, args, out, i=i: keys.__setitem__(i, out)))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(**batch)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    prs = []
+    for i in range(len(layers)):
+        B, T = keys[i].shape[:2]
+        k = keys[i].view(B, T, H, d).transpose(1, 2)  # [B, H, T, d]
+        cos, sin = rope[i]
+        k = apply_rotary_pos_emb(k, k, cos, sin)[1]
+        for h in range(H):
+            s = torch.linalg.svdvals(k[:, h].reshape(B * T, d).to(dtype))
+            prs.append(s.sum().square() / s.square().sum())
+    return torch.stack(prs).view(len(layers), H).cpu()
+
+
+def probe_key_rank(records: list, L: int, H: int) -> torch.Tensor:
+    """``[L, H]`` key PR from Probe records (site ``keys``, metric ``participation_ratio``)."""
+    out = torch.full((L, H), float("nan"), dtype=torch.float64)
+    for r in records:
+        if r.site == "keys" and r.metric == "participation_ratio":
+            out[r.layer, r.head] = r.value
+    return out
+
+
+@dataclass(frozen=True)
+class LayerFit:
+    """Outcome of :func:`fit_layers`: the depth that ran, and why it is less than requested."""
+
+    requested: int
+    layers: int
+    reasons: tuple[str, ...] = ()  # one per reduction, in order
+    round_s: float | None = None   # trial seconds of one timed round at ``layers``
+
+    def notes(self) -> dict[str, str]:
+        """``{what: why}`` for :attr:`Case.notes` (the runner makes it a ``skipped`` row): empty
+        unless reduced, so an unreduced case looks exactly as before."""
+        if self.layers == self.requested:
+            return {}
+        return {f"{self.requested} layers": f"reduced to {self.layers} layers: " + "; ".join(self.reasons)}
+
+    def extras(self) -> dict[str, float]:
+        """Numeric ``check()`` extras copied into every measured row (the runner keeps numbers only)."""
+        return {"layers": self.layers, "layers_requested": self.requested}
+
+
+def _first_line(e: BaseException, limit: int = 160) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def fit_layers(requested: int, build: Callable[[int], Inputs], trial: Callable[[Inputs], float], *,
+               floor: int | None = None, budget_s: float | None = None, calls: int | None = None,
+               free: Callable[[], None] = lambda: None) -> tuple[Inputs, LayerFit]:
+    """The inputs of the deepest model (``requested`` layers, halved as needed) whose trial fits.
+
+    ``build(layers)`` makes the case's inputs at that depth; ``trial(inputs)`` runs what one timed
+    round runs and returns its seconds (steady state: warm-up and lazily allocated state such as
+    AdamW's moments must come before the timed part, so the memory peak is reached too). A depth
+    fits when neither raises out-of-memory and ``trial seconds × calls <= budget_s``.
+
+    On out-of-memory the layers are halved; when too slow they jump to the largest halving whose
+    estimate (step time ~ linear in depth) fits, then that depth is trialled in turn. Between
+    tries everything of the failed one is dropped and ``free()`` runs (gc + CUDA cache), outside
+    the ``except`` block: the exception's traceback holds the failed step's frames and tensors.
+    Never goes below ``min(floor, requested)`` (a tier that starts at or below the floor is never
+    reduced): too slow there, it runs anyway (the reason is kept); out of memory there, a
+    RuntimeError naming every reason. Other exceptions propagate unchanged.
+    Defaults: :data:`MIN_LAYERS`, :data:`STEP_BUDGET_S`, :data:`TIMED_CALLS` (read at call time,
+    so tests can patch them).
+    """
+    floor = min(MIN_LAYERS if floor is None else floor, requested)
+    budget_s = STEP_BUDGET_S if budget_s is None else budget_s
+    calls = TIMED_CALLS if calls is None else calls
+    if floor < 1 or calls < 1 or not budget_s > 0:
+        raise ValueError(f"fit_layers: expected floor >= 1, calls >= 1, budget_s > 0; "
+                         f"got {floor}, {calls}, {budget_s}")
+    layers, reasons = requested, []
+    while True:
+        inputs, oom = None, None
+        try:
+            inputs = build(layers)
+            round_s = trial(inputs)
+        except OutOfMemory as e:
+            oom = _first_line(e)
+        if oom is None:
+            estimate = round_s * calls
+            if estimate <= budget_s:
+                return inputs, LayerFit(requested, layers, tuple(reasons), round_s)
+            why = (f"at {layers} layers {calls} timed rounds × {round_s:.3g} s = {estimate:.3g} s "
+                   f"> budget {budget_s:g} s")
+            if layers <= floor:
+                # Too slow but it fits: a measurement over budget beats none (the run's time cap
+                # still cuts its repeats), and a loaded CI machine must not turn into an error.
+                why += ", ran anyway at the floor"
+                return inputs, LayerFit(requested, layers, (*reasons, why), round_s)
+        else:
+            why = f"out of memory at {layers} layers ({oom})"
+        inputs = None
+        free()
+        if layers <= floor:
+            raise RuntimeError(f"fit_layers: no depth from {requested} down to {floor} layers fits: "
+                               + "; ".join([*reasons, why]))
+        nxt = max(layers // 2, floor)
+        if oom is None:  # skip the halvings that the linear estimate already rules out
+            while nxt > floor and round_s * calls * nxt / layers > budget_s:
+                nxt = max(nxt // 2, floor)
+        reasons.append(why)
+        layers = nxt
+
+
+def train_step_case(tier: str, device: torch.device, emit_every: int, *, shape: dict[str, int],
+                    batch_shape: tuple[int, int], keys: bool = True, ffn: bool = True,
+                    suite: str = "train_step", size_prefix: str = "", variant: str | None = None) -> Case:
+    """A training step (forward, backward, AdamW) on a ``shape`` model and ``batch_shape``
+    tokens, with vs without a streaming ``Probe(model, keys=keys, ffn=ffn,
+    emit_every=emit_every)``, layers fitted as in the module docstring. The defaults name the
+    ``train_step`` suite's case (keys + FFN); the ``probe`` suite passes its own sites and names."""
+    skip = requirements()
+    requested = shape["num_hidden_layers"]
+    # Filled by setup() with the layer-fit note: the runner reads ``notes`` after setup and
+    # timing, while ``size`` (and so the requested depth) is fixed before setup.
+    notes: dict[str, str] = {}
+
+    def build(layers: int) -> Inputs:
+        import fastspec
+
+        model = build_llama(tier, device, layers, shape=shape).train()
+        return {"model": model, "ids": tokens(batch_shape, shape["vocab_size"], device),
+                "opt": torch.optim.AdamW(model.parameters(), lr=1e-5),
+                "probe": fastspec.Probe(model, keys=keys, ffn=ffn, emit_every=emit_every), "step": [0]}
+
+    def plain(inp: Inputs) -> None:
+        loss = inp["model"](input_ids=inp["ids"], labels=inp["ids"]).loss
+        loss.backward()
+        inp["opt"].step()
+        inp["opt"].zero_grad(set_to_none=True)
+
+    def probed(inp: Inputs) -> None:
+        plain(inp)
+        inp["probe"].step(inp["step"][0])
+        inp["step"][0] += 1
+
+    def streaming(inp: Inputs):
+        return inp["probe"].streaming()
+
+    def trial(inp: Inputs) -> float:
+        """One timed round as the runner runs it: probed step (hooks on), then the plain one.
+        A first probed step comes before, untimed: it allocates AdamW's moments (so the second
+        step reaches the steady-state memory peak) and pays one-time costs (kernel loading,
+        autotuning) that would otherwise inflate the estimate."""
+        with streaming(inp):
+            probed(inp)
+        with streaming(inp):
+            t = time_once(lambda: probed(inp), device)
+        return t + time_once(lambda: plain(inp), device)
+
+    def setup() -> Inputs:
+        notes.clear()
+        inputs, fit = fit_layers(requested, build, trial, free=lambda: free_memory(device))
+        notes.update(fit.notes())
+        return {**inputs, "fit": fit}
+
+    def check(inp: Inputs) -> dict:
+        model, ids = inp["model"], inp["ids"]
+        with torch.no_grad():
+            base = model(input_ids=ids, labels=ids).loss
+            with inp["probe"].streaming():
+                probed_loss = model(input_ids=ids, labels=ids).loss
+        return {"fastspec_error": float((probed_loss.double() - base.double()).abs()),
+                "baseline_error": None, **inp["fit"].extras()}
+
+    return Case(suite=suite, size=size_prefix + size_id(tier, shape, batch_shape),
+                variant=f"emit_every={emit_every}" if variant is None else variant,
+                setup=setup, fastspec=probed, baselines={"training step without probe": plain},
+                check=check, error_kind="|Δloss| with probe", skip=skip, notes=notes,
+                fastspec_context=streaming, overhead=True)
