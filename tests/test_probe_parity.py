@@ -1,4 +1,4 @@
-"""Probe parity: the probe's per-head numbers equal the published protocols done by hand (SPEC §5).
+"""Probe parity: the probe's per-head numbers equal the published protocols done by hand (docs/protocols.md).
 
 Ground truth is computed independently of the probe's attention-function interception: forward
 hooks capture the attention module's inputs, the post-norm post-RoPE keys are recomputed with
@@ -223,7 +223,7 @@ def test_gamma_cv_is_population_cv_of_trainable_k_norm_weight():
     model.model.layers[0].self_attn.k_norm.weight.requires_grad_(False)
     records = fastspec.Probe(model, ffn=False).measure(batch(), step=1)
     got = {r.metric: r.value for r in records if r.site == "gamma_k" and r.layer == 0}
-    assert got == {"gamma_cv": 0.0, "gamma_trainable": 0.0}  # SPEC §5: 0 when γ is frozen
+    assert got == {"gamma_cv": 0.0, "gamma_trainable": 0.0}  # 0 when γ is frozen (docs/protocols.md)
 
 
 def test_module_site_with_heads_matches_hand_svd():
