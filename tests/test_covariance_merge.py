@@ -47,6 +47,7 @@ def test_sums_about_leaves_the_accumulator_alone_and_refuses_a_shift_for_raw_sum
     cov = fastspec.Covariance(4).update(torch.randn(20, 4, dtype=torch.float64))
     before = {k: v.clone() for k, v in cov._state.items()}
     s, G = cov._sums_about(torch.ones(1, 4, dtype=torch.float64))
+    assert torch.equal(G, G.mT)  # exactly symmetric, like every state the merges write
     s += 1
     G += 1
     assert all(torch.equal(before[k], v) for k, v in cov._state.items())

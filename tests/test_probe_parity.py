@@ -33,6 +33,17 @@ def _attn_modules(model):
     return out
 
 
+def _forward_with_hooks(model, inputs: dict, handles: list) -> None:
+    """One ``no_grad`` forward of ``inputs`` while ``handles`` are registered; removes them after
+    (also when the forward raises)."""
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def _keys_by_hand(model, inputs: dict) -> dict[int, torch.Tensor]:
     """Post-RoPE (post-k_norm) keys of the valid tokens per layer, ``[N, H_kv, d_head]``."""
     captured: dict[int, torch.Tensor] = {}
@@ -56,12 +67,7 @@ def _keys_by_hand(model, inputs: dict) -> dict[int, torch.Tensor]:
                 k = rope(k.transpose(1, 2), k.transpose(1, 2), cos, sin)[1].transpose(1, 2)
             captured[layer] = k.detach()
         handles.append(attn.register_forward_pre_hook(hook, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    finally:
-        for h in handles:
-            h.remove()
+    _forward_with_hooks(model, inputs, handles)
     keep = inputs["attention_mask"].bool()
     return {layer: k[keep] for layer, k in captured.items()}
 
@@ -71,12 +77,7 @@ def _ffn_inputs_by_hand(model, inputs: dict) -> dict[int, torch.Tensor]:
     captured = {}
     handles = [layer.mlp.down_proj.register_forward_pre_hook(
         lambda m, a, i=i: captured.__setitem__(i, a[0].detach())) for i, layer in enumerate(model.model.layers)]
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    finally:
-        for h in handles:
-            h.remove()
+    _forward_with_hooks(model, inputs, handles)
     return captured
 
 

@@ -316,9 +316,9 @@ class Covariance:
             return st["sum"].clone(), st["gram"].clone()
         n = st["n"].double()
         delta = st["mean"] if shift is None else st["mean"] - shift
-        s = delta * n[:, None]
-        G = torch.baddbmm(st["m2"], s[:, :, None], delta[:, None, :])  # M2 + n δδᵀ, symmetric
-        return s, G
+        # (δ_i δ_j)·n: entries (i, j) and (j, i) are the same products, so G is exactly symmetric
+        G = st["m2"] + delta[:, :, None] * delta[:, None, :] * n[:, None, None]
+        return delta * n[:, None], G
 
     def all_reduce(self, group=None) -> "Covariance":
         """A new Covariance holding the rows of every rank in ``group`` (default: the world).
@@ -345,12 +345,7 @@ class Covariance:
 
     def gram(self) -> Tensor:
         """``G = Σxxᵀ = XᵀX`` per site, ``[*sites, D, D]`` float64."""
-        st = self._require_data()
-        if self.track_mean:
-            m = st["mean"]
-            g = st["m2"] + (m[:, :, None] * m[:, None, :]) * st["n"].double()[:, None, None]  # stays symmetric
-        else:
-            g = st["gram"]
+        g = self._sums_about(None)[1] if self.track_mean else self._require_data()["gram"]
         return self._out(g, 2)
 
     def second_moment(self) -> Tensor:

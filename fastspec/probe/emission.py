@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from itertools import accumulate
 
 import torch
 from torch import Tensor, nn
@@ -44,14 +45,13 @@ class Emitter:
     Args:
         model, family: for the γ values of Q/K-norm families (``family=None``: none).
         gamma: whether to report γ (the probe captures attention sites).
-        sync: under ``torch.distributed``: ``"all"`` ranks get the global metrics, only
-            ``"rank0"``, or ``"none"`` (each rank its own tokens).
+        sync: one of ``SYNC_MODES`` (checked by :class:`~fastspec.Probe`): under
+            ``torch.distributed`` ``"all"`` ranks get the global metrics, only ``"rank0"``, or
+            ``"none"`` (each rank its own tokens).
         process_group: the data-parallel group to merge over (default: the world).
     """
 
     def __init__(self, model: nn.Module, family: Family | None, *, gamma: bool, sync: str, process_group=None):
-        if sync not in SYNC_MODES:
-            raise ValueError(f"sync: expected one of {SYNC_MODES}, got {sync!r}")
         self.model, self.family, self.gamma = model, family, gamma and family is not None
         self.sync, self.process_group = sync, process_group
 
@@ -79,43 +79,39 @@ class Emitter:
         return items
 
     @staticmethod
-    def _solve(items: list[Item]) -> Iterator[tuple[list[int], Tensor]]:
-        """``(indices, spectra [ΣS, D] descending)`` per (convention, D, device) group of items."""
+    def _solve(items: list[Item]) -> Iterator[tuple[Tensor, list[tuple[int, slice]]]]:
+        """One eigensolve per (convention, D, device) group of items: ``(spectra [ΣS, D]
+        descending, [(item index, its rows of spectra)])``."""
         groups: dict[tuple, list[int]] = {}
         for i, (_, acc, cov) in enumerate(items):
             groups.setdefault((acc.convention, cov.D, cov.device), []).append(i)
         for (convention, D, _), idx in groups.items():
             mats = torch.cat([items[i][2].matrix(convention).reshape(-1, D, D) for i in idx])
-            yield idx, spectra(mats, convention)
+            bounds = list(accumulate((items[i][2].num_sites for i in idx), initial=0))
+            yield spectra(mats, convention), [(i, slice(a, b)) for i, a, b in zip(idx, bounds, bounds[1:])]
 
     def spectra(self, collector: Collector) -> dict[SiteKey, Tensor]:
         """Descending spectrum ``[*sites, D]`` of every (site, layer): eigenvalues (``eig``) or
         singular values (``sv``), as ``Covariance.spectrum`` computes them."""
         items = self._items(collector)
-        out: dict[SiteKey, Tensor] = {}
-        for idx, spec in self._solve(items):
-            start = 0
-            for i in idx:
-                key, _, cov = items[i]
-                out[key] = spec[start:start + cov.num_sites].reshape(*cov.sites, cov.D)
-                start += cov.num_sites
-        return dict(sorted(out.items(), key=lambda kv: (kv[0][0], -1 if kv[0][1] is None else kv[0][1])))
+        out: list[Tensor | None] = [None] * len(items)
+        for spec, parts in self._solve(items):
+            for i, sl in parts:
+                cov = items[i][2]
+                out[i] = spec[sl].reshape(*cov.sites, cov.D)
+        return {key: spec for (key, _, _), spec in zip(items, out)}  # in sorted_items order
 
     def _blocks(self, items: list[Item]) -> list[Tensor]:
         """Per item, its ``[len(RECORD_METRICS), S]`` float64 block of values."""
         blocks: list[Tensor | None] = [None] * len(items)
-        for idx, spec in self._solve(items):
+        for spec, parts in self._solve(items):
             m = summarize(spec)
             cols = torch.stack([getattr(m, name).double() for name in SPECTRUM_METRICS])  # [M, ΣS]
-            convention = items[idx[0]][1].convention
-            start = 0
-            for i in idx:
-                cov = items[i][2]
-                sl = slice(start, start + cov.num_sites)
-                start += cov.num_sites
+            for i, sl in parts:
+                _, acc, cov = items[i]
                 n = cov.n.double().reshape(-1)
                 top = spec[sl, 0].double()
-                lam_max = top if convention == "eig" else top.square() / n  # sv: top eigenvalue of XᵀX/n
+                lam_max = top if acc.convention == "eig" else top.square() / n  # sv: top eigenvalue of XᵀX/n
                 blocks[i] = torch.cat([cols[:, sl], torch.stack([lam_max, n, cov.rejected.double().reshape(-1)])])
         return blocks
 

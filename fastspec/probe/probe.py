@@ -381,7 +381,7 @@ class Probe:
         self._history.load_state_dict(sd["history"])
         self._steps_seen = int(sd["steps_seen"])
         self._budget.load_state_dict(sd["budget"])
-        self._router.capture_this_step = self._steps_seen % self._budget.every == 0
+        self._router.capture_this_step = self._budget.capture_due(self._steps_seen)
 
     def __repr__(self) -> str:
         return (f"Probe({type(self.model).__name__}, sites={self.sites.names}, "
