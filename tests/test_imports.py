@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import fastspec
+from fastspec._trace import assume_constant_result
 from fastspec.cli import COMMANDS, main
 from fastspec.eig import native
 
@@ -168,7 +169,7 @@ def test_build_parser_rejects_unknown_command_names():
 
 # ---------------------------------------------------------------- assume_constant_result at import
 # native._cuda_runtime_devices must trace as a constant under torch.compile; native marks it
-# without importing torch._dynamo (see native._assume_constant_result)
+# without importing torch._dynamo (see fastspec/_trace.py)
 
 
 def test_native_mark_is_what_torch_sets():
@@ -179,7 +180,7 @@ def test_native_mark_is_what_torch_sets():
         return 0
 
     assert torch.compiler.assume_constant_result(by_torch) is by_torch
-    assert native._assume_constant_result(by_fastspec) is by_fastspec
+    assert assume_constant_result(by_fastspec) is by_fastspec
     assert vars(by_fastspec) == vars(by_torch) == {"_dynamo_marked_constant": True}
 
 

@@ -56,14 +56,14 @@ def test_captures_outside_the_forward_and_on_idle_steps_are_dropped():
     router, scope, stream = _router()
     x = torch.randn(2, 5, 3, 4)
     router.streaming = True
-    router.capture("keys", 0, x, headed=True, convention="sv")  # depth 0: e.g. a checkpoint recompute
+    router.capture(router.slot("keys", 0), x, headed=True, convention="sv")  # depth 0: e.g. a checkpoint recompute
     assert stream.accs == {}
     scope.depth = 1
     router.capture_this_step = False
-    router.capture("keys", 0, x, headed=True, convention="sv")
+    router.capture(router.slot("keys", 0), x, headed=True, convention="sv")
     assert stream.accs == {}
     router.capture_this_step = True
-    router.capture("keys", 0, x, headed=True, convention="sv")
+    router.capture(router.slot("keys", 0), x, headed=True, convention="sv")
     assert stream.accs[("keys", 0)].cov.n.tolist() == [10, 10, 10]
 
 

@@ -30,8 +30,8 @@ import torch
 from torch import Tensor
 
 from ..metrics import SpectrumMetrics, summarize
-from . import blocked
-from .policy import check_backend, check_precision, solve_dtype, update_plan
+from . import ops
+from .policy import check_backend, check_precision, solve_dtype
 
 CONVENTIONS = ("eig", "sv")
 
@@ -158,6 +158,16 @@ class Covariance:
         self._device = device
         return self
 
+    def allocate(self, device: torch.device | str) -> "Covariance":
+        """Create the (zero) state on ``device`` now if there is none yet, e.g. before a compiled
+        graph that updates it is traced; an existing state must already be on ``device``."""
+        device = torch.device(device)
+        if self._state is None:
+            self._init_state(device)
+        elif self._device != device:
+            raise ValueError(f"device: this Covariance lives on {self._device}, not {device}")
+        return self
+
     def reset(self) -> None:
         """Zero every accumulator (the device and settings stay)."""
         if self._state is not None:
@@ -213,74 +223,42 @@ class Covariance:
             raise ValueError(f"row_step: expected an int >= 1, got {row_step!r}")
         return lead
 
-    def update(self, x: Tensor, mask: Tensor | None = None, *, row_step: int = 1) -> "Covariance":
+    def update(self, x: Tensor, mask: Tensor | None = None, *, row_step: int = 1,
+               gate: Tensor | None = None) -> "Covariance":
         """Merge rows ``x: [*rows, *sites, D]`` (e.g. ``[N, D]``, ``[B, T, H, D]``).
 
         Args:
             x: activations in any float dtype and any strides; never copied to fp32 on CUDA.
             mask: optional bool ``[*rows]``; rows where it is False (padding) are not counted.
             row_step: keep every k-th row along the last row axis (token sampling).
+            gate: optional 0-d bool tensor on the state's device: merge only where it is True,
+                decided on the device (a compiled graph then does not depend on it; see
+                ``fastspec/covariance/ops.py``).
+
+        Inside ``torch.compile`` the update is one custom op, ``torch.ops.fastspec.covariance_update_``
+        (no graph break); give ``device=`` at construction so the state exists before tracing.
         """
         lead = self._check_update(x, mask, row_step)
         if self._state is None:
             self._init_state(x.device)
+        if gate is not None and (not isinstance(gate, Tensor) or gate.numel() != 1 or gate.device != x.device):
+            raise ValueError(f"gate: expected a one-element tensor on {x.device}, got "
+                             f"{gate if not isinstance(gate, Tensor) else f'shape {list(gate.shape)} on {gate.device}'}")
         if mask is not None and mask.dtype != torch.bool:
             mask = mask != 0
         xs = x.reshape(*x.shape[:lead], self.num_sites, self.D) if self.sites else x.unsqueeze(-2)
         x4, m2d = _as_bt(xs, lead, mask)
-        plan = update_plan(self.precision, self.backend, self.track_mean, x4)
-        if plan.backend == "triton":
-            from .triton_update import covariance_partials_triton
-
-            self._merge_sums(*covariance_partials_triton(x4, m2d, row_step, self.track_mean))
-        else:
-            self._merge_sums(*blocked.accumulate(x4, m2d, row_step, self.track_mean, plan.products,
-                                                  blocked.shared_workspace()))
+        st = self._state
+        first, second = ("mean", "m2") if self.track_mean else ("sum", "gram")
+        update = ops.covariance_update_op if torch.compiler.is_compiling() else ops.covariance_update
+        update(st["n"], st["rejected"], st[first], st[second], x4.detach(), m2d,
+               None if gate is None else gate.reshape(()), row_step, self.track_mean, self.precision,
+               self.backend)
         return self
 
     def _merge_sums(self, n_b: Tensor, c: Tensor, s: Tensor, G: Tensor, rejected: Tensor) -> None:
         """Merge one update's sums about shift ``c`` (``s = Σ(x−c)``, ``G = Σ(x−c)(x−c)ᵀ``), in place."""
-        st = self._state
-        nb = n_b.to(torch.int64)
-        st["rejected"] += rejected.to(torch.int64)
-        s64 = s.double()
-        if not self.track_mean:
-            # raw sums: every path takes them about c = 0
-            st["sum"] += s64
-            st["gram"] += G
-            st["n"] += nb
-            return
-        nbd = nb.double()
-        inv_nb = 1 / nbd.clamp_min(1)
-        mean_b = c.double() + s64 * inv_nb[:, None]
-        self._chan_merge(st, nb, mean_b, G, s64, inv_nb)
-
-    @staticmethod
-    def _chan_merge(st: dict[str, Tensor], nb: Tensor, mean_b: Tensor, G: Tensor,
-                    s: Tensor | None = None, inv_nb: Tensor | None = None) -> None:
-        """Chan et al.: merge chunk ``(nb, mean_b, m2_b)`` into the running (n, mean, m2), in place.
-
-        ``m2_b = G − s sᵀ/nb`` (``s``/``inv_nb`` given: sums about a shift) or ``G`` itself. The
-        D×D updates are in place (one batched rank-2 or rank-1 product), with no D×D temporaries.
-        """
-        na = st["n"].double()
-        nbd = nb.double()
-        n = (na + nbd).clamp_min(1)
-        delta = mean_b - st["mean"]
-        st["mean"].addcmul_(delta, (nbd / n)[:, None])
-        m2 = st["m2"]
-        m2 += G
-        w = na * nbd / n  # [S]
-        # m2 += −s sᵀ/nb + δ δᵀ·w as one batched rank-2 update U Vᵀ with U = [a | b], V = [−a | b],
-        # a = s/√nb, b = δ√w: entry (i, j) and (j, i) are the same two products, so m2 stays
-        # exactly symmetric
-        b = delta * w.sqrt()[:, None]
-        if s is not None:
-            a = s * inv_nb.sqrt()[:, None]
-            m2.baddbmm_(torch.stack((a, b), -1), torch.stack((-a, b), -2))
-        else:
-            m2.baddbmm_(b[:, :, None], b[:, None, :])
-        st["n"] += nb
+        ops.merge_sums(self._state, self.track_mean, n_b, c, s, G, rejected)
 
     def merge(self, other: "Covariance") -> "Covariance":
         """Add another accumulator's rows into this one, exactly (docs/accumulators.md)."""
@@ -296,7 +274,7 @@ class Covariance:
         ost = {k: v.to(self._device) for k, v in other._state.items()}
         self._state["rejected"] += ost["rejected"]
         if self.track_mean:
-            self._chan_merge(self._state, ost["n"], ost["mean"], ost["m2"])
+            ops.chan_merge(self._state, ost["n"], ost["mean"], ost["m2"])
         else:
             for k in ("n", "sum", "gram"):
                 self._state[k] += ost[k]

@@ -13,6 +13,8 @@ import math
 import torch
 from torch import Tensor
 
+from .._trace import assume_constant_result
+
 try:
     from fastspec import _eig_ext as _ext
 
@@ -28,24 +30,7 @@ CUDA_MAX_N = 256  # design envelope of csrc/eig_cuda.cu; "auto" sends larger n t
 _runtime_devices: list[int] = []
 
 
-def _assume_constant_result(fn):
-    """``torch.compiler.assume_constant_result(fn)`` without importing ``torch._dynamo``.
-
-    The public decorator imports torch._dynamo (about a second, Triton included) only to set
-    ``fn._dynamo_marked_constant = True``, which dynamo reads when tracing meets a call of ``fn``:
-    it then runs ``fn`` eagerly and uses the result as a constant. The mark has to be in place
-    before the first trace, and that first trace may well be the first call of ``fn`` (a compiled
-    model's first eigvalsh on a GPU), so decorating lazily on first use cannot work; nor can
-    caching alone, since tracing the uncached call would reach the pybind11 function, a graph
-    break. So the attribute is set here directly; tests/test_imports.py checks that torch's
-    decorator still marks functions exactly this way and that a fullgraph compile traces
-    through ``_cuda_runtime_devices``.
-    """
-    fn._dynamo_marked_constant = True
-    return fn
-
-
-@_assume_constant_result
+@assume_constant_result
 def _cuda_runtime_devices() -> int:
     # devices the extension's own (static) CUDA runtime sees: 0 also when the driver is older
     # than the CUDA it was built with, where torch's runtime may still work. Asked once, lazily

@@ -12,6 +12,15 @@ current would credit a captured step's cost to an idle one. Not counted: the dis
 hooks themselves (a few µs of Python per hooked module call, also on idle steps) and the
 ``measure()`` eval protocol (it is not streaming).
 
+**Captures inside a compiled graph** cannot be timed one by one (a host clock does not run in
+a graph, and CUDA events there would be replayed, not recorded). Their cost is then judged from
+whole step times instead: the median (over the last ``UNTIMED_WINDOW``) probe-free time of steps
+that captured, against that of steps that did not, ``c = median_captured / median_idle − 1``.
+A median ignores the step that compiled the graph. With a ``budget`` and ``every=1`` there
+would be no idle steps to compare with, so one step in ``CALIBRATE_EVERY`` is left idle (whole
+steps skipped, as throttling does: the statistics stay unbiased). Until both kinds of step have
+been seen, the capture cost is unknown (``None``) and the capture interval does not adapt.
+
 **What is reported.** Overhead is relative to the step *without* the probe: a step of wall time
 ``step_s`` that did ``w`` seconds of probe work had ``base = step_s - w`` seconds of training, and
 costs ``w / base``. Two fractions are kept, each an exponential moving average over the steps
@@ -65,6 +74,7 @@ spectra of a finite sample, they move when the row count per emission approaches
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -84,6 +94,10 @@ GRAM_FLOPS = 2
 STEP_FLOPS = 6
 #: FFN share of a training step that ``ffn_rows="auto"`` aims at when no ``budget`` is set.
 DEFAULT_FFN_SHARE = 0.01
+#: Captures inside a compiled graph: step times kept per kind (captured / idle), and, with a
+#: budget and ``every=1``, one step in ``CALIBRATE_EVERY`` left idle to compare with.
+UNTIMED_WINDOW = 9
+CALIBRATE_EVERY = 16
 
 
 def matmul_parameters(model: nn.Module) -> int:
@@ -173,9 +187,14 @@ class OverheadBudget:
         self.last_fraction: float | None = None
         self.work_s = self.base_s = 0.0         # totals over the accounted steps
         self.last_emit = 0                      # step count of the last emission
+        self.untimed = False  # captures ran inside a compiled graph: costs come from step times
+        self._step_times: dict[bool, deque[float]] = {True: deque(maxlen=UNTIMED_WINDOW),
+                                                      False: deque(maxlen=UNTIMED_WINDOW)}
 
     # ------------------------------------------------------------------ schedule
     def capture_due(self, steps_seen: int) -> bool:
+        if self.untimed and self.budget is not None and self.every == 1:
+            return steps_seen % CALIBRATE_EVERY != CALIBRATE_EVERY - 1  # an idle step to compare with
         return steps_seen % self.every == 0
 
     def emit_due(self, steps_seen: int) -> bool:
@@ -188,17 +207,34 @@ class OverheadBudget:
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
 
-    def observe(self, capture_s: float, emit_s: float, step_s: float, captured: bool,
+    def _untimed_capture_s(self, step_s: float, captured: bool) -> float | None:
+        """Capture seconds of a step whose captures ran in a graph (module docstring), or None
+        while the cost is unknown."""
+        self.untimed = True
+        self._step_times[captured].append(step_s)
+        if not captured:
+            return 0.0
+        if not self._step_times[False]:
+            return None
+        ratio = statistics.median(self._step_times[True]) / statistics.median(self._step_times[False])
+        return step_s * max(0.0, 1 - 1 / ratio)  # the share of this step above an idle one
+
+    def observe(self, capture_s: float | None, emit_s: float, step_s: float, captured: bool,
                 emitted: bool = False) -> int:
         """Account one finished step (wall time ``step_s``, of which ``capture_s + emit_s`` was
-        probe work); returns the capture interval to use from now on."""
+        probe work; ``capture_s=None``: its captures ran inside a compiled graph, untimed);
+        returns the capture interval to use from now on."""
+        if capture_s is None and step_s - emit_s > 0:
+            capture_s = self._untimed_capture_s(step_s - emit_s, captured)
+        known = capture_s is not None
+        capture_s = capture_s or 0.0
         base = step_s - capture_s - emit_s
         if step_s <= 0 or base <= 0:
             return self.every
-        self.last_fraction = (capture_s + emit_s) / base
+        self.last_fraction = (capture_s + emit_s) / base if known else None
         self.work_s += capture_s + emit_s
         self.base_s += base
-        if captured:
+        if captured and known:
             self.capture_cost = self._ema(self.capture_cost, capture_s / base)
         if emitted:
             self.emit_cost = self._ema(self.emit_cost, emit_s / base)

@@ -9,8 +9,8 @@
   them. Each callback only shapes the activation into rows ``[*rows, H, D]`` or ``[*rows, D]``
   and hands it to ``capture``; where it goes is ``routing.py``'s business.
 
-In a model compiled after the hooks are installed, dynamo breaks the graph at the callbacks
-(``torch.compiler.disable``) and runs them eagerly instead of tracing the probe's Python state.
+Everything here is traceable by dynamo: a model compiled with the hooks on (``fullgraph=True``
+included) traces the callbacks, and each capture becomes one custom op (``routing.py``).
 """
 from __future__ import annotations
 
@@ -26,8 +26,10 @@ from . import hf_attention
 from .families import Family, layer_of, matches
 from .sites import ModuleSite
 
-# capture(site, layer, x, *, headed, convention, head_offset=0, stream_row_step=None)
+# capture(slot, x, *, headed, convention, head_offset=0, stream_row_step=None)
 Capture = Callable[..., None]
+# slot(site, layer) -> an opaque handle the capture writes through (routing.Slot)
+MakeSlot = Callable[[str, "int | None"], object]
 
 
 @dataclass(frozen=True)
@@ -77,14 +79,26 @@ def as_bool_mask(mask) -> Tensor | None:
     return mask if mask.dtype == torch.bool else mask != 0
 
 
+def _positional_index(fn, name: str) -> int | None:
+    """Position of parameter ``name`` among ``fn``'s positional arguments (worked out once, so the
+    pre-hook that runs on every forward, traced or not, needs no ``inspect``)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    for i, p in enumerate(params):
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            return None
+        if p.name == name:
+            return i
+    return None
+
+
 class ForwardScope:
     """Depth of the probed model's own ``forward`` and the ``attention_mask`` it was called with."""
 
     def __init__(self, model: nn.Module):
-        try:
-            self._signature = inspect.signature(model.forward)
-        except (TypeError, ValueError):
-            self._signature = None
+        self._mask_pos = _positional_index(model.forward, "attention_mask")
         self.depth = 0
         self.mask: Tensor | None = None
 
@@ -98,12 +112,11 @@ class ForwardScope:
         self.depth += 1
         if self.depth == 1:
             mask = kwargs.get("attention_mask")
-            if mask is None and self._signature is not None:
-                try:
-                    mask = self._signature.bind_partial(*args, **kwargs).arguments.get("attention_mask")
-                except TypeError:
-                    mask = None
-            self.mask = as_bool_mask(mask)
+            if mask is None and self._mask_pos is not None and len(args) > self._mask_pos:
+                mask = args[self._mask_pos]
+            # kept as given and converted where a capture uses it: no tensor work here, so a
+            # compiled model's top-level hooks add no graph of their own
+            self.mask = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
 
     def end(self, module, args, output) -> None:
         """Forward hook (``always_call=True``) of the model."""
@@ -119,7 +132,7 @@ class ForwardScope:
         mask = self.mask
         if mask is None or x.dim() < 3 or mask.shape[0] != x.shape[0] or mask.shape[1] < x.shape[1]:
             return None
-        mask = mask[:, mask.shape[1] - x.shape[1]:]
+        mask = as_bool_mask(mask[:, mask.shape[1] - x.shape[1]:])
         return mask if mask.device == x.device else mask.to(x.device, non_blocking=True)
 
 
@@ -132,16 +145,15 @@ class Hooks:
         family: module-name patterns of the model family (``None`` for non-HF models, which
             then have only ``plan.modules``).
         capture: called with each site's rows, see ``Capture``.
+        slot: makes the handle of one (site, layer), see ``MakeSlot``.
         scope: the model's forward depth and mask.
     """
 
     def __init__(self, model: nn.Module, plan: SitePlan, family: Family | None, capture: Capture,
-                 scope: ForwardScope):
+                 slot: MakeSlot, scope: ForwardScope):
         self.model, self.plan, self.family, self.scope = model, plan, family, scope
-        # wrapped here, not with decorators, so that `import fastspec` does not import torch._dynamo
-        self._capture = torch.compiler.disable(capture)
-        self._start = torch.compiler.disable(scope.start)
-        self._end = torch.compiler.disable(scope.end)
+        self._capture, self._slot = capture, slot
+        self._start, self._end = scope.start, scope.end
         self._handles: list | None = None
 
     @property
@@ -208,6 +220,7 @@ class Hooks:
 
     def _attention_callback(self, layer: int):
         plan, capture = self.plan, self._capture
+        keys, queries = self._slot("keys", layer), self._slot("queries", layer)
 
         def callback(module, query: Tensor, key: Tensor) -> None:
             if key.dim() != 4 or query.dim() != 4:
@@ -215,10 +228,10 @@ class Hooks:
             tq = query.shape[-2]
             if plan.keys:
                 k = key[:, :, key.shape[-2] - tq:] if key.shape[-2] > tq else key  # new tokens only (KV cache)
-                capture("keys", layer, k.transpose(1, 2), headed=True, convention=plan.key_convention,
+                capture(keys, k.transpose(1, 2), headed=True, convention=plan.key_convention,
                         head_offset=plan.tp_rank * k.shape[1])
             if plan.queries:
-                capture("queries", layer, query.transpose(1, 2), headed=True, convention=plan.key_convention,
+                capture(queries, query.transpose(1, 2), headed=True, convention=plan.key_convention,
                         head_offset=plan.tp_rank * query.shape[1])
         return callback
 
@@ -234,24 +247,25 @@ class Hooks:
             if not use_norm and not isinstance(head_dim, int):
                 raise ValueError(f"prerope_keys: cannot tell the head width of {name}")
 
-            def hook(module, args, output, layer=layer, head_dim=head_dim, use_norm=use_norm):
+            def hook(module, args, output, slot=self._slot("keys_prerope", layer), head_dim=head_dim,
+                     use_norm=use_norm):
                 k = output if use_norm else output.unflatten(-1, (-1, head_dim))  # [B, T, H, d_head]
-                capture("keys_prerope", layer, k, headed=True, convention=plan.key_convention,
+                capture(slot, k, headed=True, convention=plan.key_convention,
                         head_offset=plan.tp_rank * k.shape[-2])
             handles.append(mod.register_forward_hook(hook))
 
     def _ffn_hook(self, layer: int | None):
-        plan, capture = self.plan, self._capture
+        plan, capture, slot = self.plan, self._capture, self._slot("ffn", layer)
 
         def hook(module, args):
             x = first_tensor(args)
             if x is not None and x.is_floating_point():
-                capture("ffn", layer, x, headed=False, convention=plan.ffn_convention,
+                capture(slot, x, headed=False, convention=plan.ffn_convention,
                         stream_row_step=plan.ffn_row_step)
         return hook
 
     def _module_hook(self, spec: ModuleSite, layer: int | None):
-        plan, capture = self.plan, self._capture
+        plan, capture, slot = self.plan, self._capture, self._slot(spec.site, layer)
 
         def hook(module, args, output=None):
             x = first_tensor(output if spec.io == "output" else args)
@@ -262,6 +276,6 @@ class Hooks:
                     raise ValueError(f"modules: {spec.pattern!r} width {x.shape[-1]} is not divisible "
                                      f"by heads={spec.heads}")
                 x = x.unflatten(-1, (spec.heads, -1))
-            capture(spec.site, layer, x, headed=spec.heads is not None, convention=spec.convention,
+            capture(slot, x, headed=spec.heads is not None, convention=spec.convention,
                     head_offset=plan.tp_rank * (spec.heads or 0))
         return hook

@@ -64,14 +64,19 @@ def _check_pos_int(name: str, value: Any) -> int:
     return value
 
 
-def _unwrap_compiled(model: nn.Module) -> tuple[nn.Module, bool]:
-    """``torch.compile(model)`` and DDP return wrappers around the eager module: probe that one."""
+def _unwrap_compiled(model: nn.Module) -> nn.Module:
+    """``torch.compile(model)`` and DDP return wrappers around the eager module: probe that one
+    (its hooks are the compiled wrapper's too; :meth:`Probe.measure` runs it eagerly)."""
     if isinstance(model, nn.parallel.DistributedDataParallel):
         model = model.module
     orig = getattr(model, "_orig_mod", None)
-    if isinstance(orig, nn.Module):
-        return orig, True
-    return model, getattr(model, "_compiled_call_impl", None) is not None
+    return orig if isinstance(orig, nn.Module) else model
+
+
+def _force_eager():
+    """Run every ``torch.compile``'d function eagerly inside this context (torch >= 2.6)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return contextlib.nullcontext() if set_stance is None else set_stance("force_eager")
 
 
 class Probe:
@@ -156,7 +161,7 @@ class Probe:
         self.row_step = _check_pos_int("row_step", row_step)
         self._budget = OverheadBudget(budget, _check_pos_int("every", every), self.emit_every)
         sites = module_sites(modules)
-        self.model, self._compiled = _unwrap_compiled(model)
+        self.model = _unwrap_compiled(model)
         self.family = resolve_family(self.model, keys or queries or ffn or prerope_keys, prerope_keys)
         self.ffn_rows, self.ffn_share = choose_ffn_rows(self.model, self.family, ffn, ffn_rows, budget,
                                                          self.row_step)
@@ -169,7 +174,7 @@ class Probe:
         self._stream = Collector(self.backend, self.precision)
         scope = ForwardScope(self.model)
         self._router = Router(self._stream, scope, self._timer, self.row_step)
-        self._hooks = Hooks(self.model, self.sites, self.family, self._router.capture, scope)
+        self._hooks = Hooks(self.model, self.sites, self.family, self._router.capture, self._router.slot, scope)
         self._emitter = Emitter(self.model, self.family, gamma=keys or queries or prerope_keys, sync=sync,
                                 process_group=process_group)
         self._history = History()
@@ -197,7 +202,9 @@ class Probe:
                 self._hooks.install()
             with self._router.measuring(collector):
                 model.eval()
-                with torch.no_grad():
+                # submodules compiled in place (module.compile(), e.g. under FSDP2) run eagerly too:
+                # a graph traced for streaming drops measurement captures (routing.py)
+                with torch.no_grad(), _force_eager():
                     model(**batch) if isinstance(batch, dict) else model(batch)
         finally:
             if installed_here:
@@ -256,12 +263,13 @@ class Probe:
 
     # ---------------------------------------------------------------- streaming
     def attach(self) -> Probe:
-        """Start streaming: hooks stay on and captures go to the running accumulators."""
-        if self._compiled:
-            raise RuntimeError("attach: this model is already torch.compile'd, and a compiled graph would "
-                               "not see hooks added now. Attach the probe to the uncompiled model first and "
-                               "compile afterwards (captures then run eagerly at graph breaks), or use "
-                               "probe.measure(), which runs the eager module.")
+        """Start streaming: hooks stay on and captures go to the running accumulators.
+
+        Before or after ``torch.compile``: a compiled model traces the hooks with the rest of its
+        forward (``fullgraph=True`` works; a model already compiled recompiles once, because its
+        hooks changed), and each capture is one custom op in the graph. The schedule is data on
+        the device, so steps that capture and steps that do not run the same graph.
+        """
         self._hooks.install()
         self._router.streaming = True
         return self
@@ -316,9 +324,12 @@ class Probe:
         now = self._timer.clock()
         step_s = None if self._last_step_t is None else now - self._last_step_t
         # each step's work is judged with that step's time and flags, once its CUDA events are done
-        for work, (s, captured, emitted) in self._timer.close_step((step_s, self._router.capture_this_step, emitting)):
+        # captures inside a compiled graph are untimed: the budget judges them by step times
+        in_graph, self._router.captured_in_graph = self._router.captured_in_graph, False
+        tag = (step_s, self._router.capture_this_step, emitting, in_graph)
+        for work, (s, captured, emitted, untimed) in self._timer.close_step(tag):
             if s is not None:
-                budget.observe(work["capture"], work["emit"], s, captured, emitted)
+                budget.observe(None if untimed else work["capture"], work["emit"], s, captured, emitted)
         self._last_step_t = now
         self._router.capture_this_step = budget.capture_due(self._steps_seen)
         return self._history.flush(block=False)
@@ -381,6 +392,7 @@ class Probe:
         self._history.load_state_dict(sd["history"])
         self._steps_seen = int(sd["steps_seen"])
         self._budget.load_state_dict(sd["budget"])
+        self._router.forget_slots()  # a compiled graph must not keep writing the replaced state
         self._router.capture_this_step = self._budget.capture_due(self._steps_seen)
 
     def __repr__(self) -> str:

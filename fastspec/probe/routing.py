@@ -14,18 +14,79 @@ facts each time, and each fact has one owner (``measure`` the context, ``attach`
 Captures run under ``no_grad`` with autocast off and read the activations without changing
 them: outputs and gradients are bitwise the same with and without the probe. Only streaming
 captures are timed for the overhead budget (a ``measure`` is the user's explicit cost).
+
+**Inside ``torch.compile``** (the hooks are traced with the model, no graph break) a capture is
+one ``fastspec::covariance_update_`` op on the streaming totals (``fastspec/covariance/ops.py``):
+
+* the decision "capture this step" is a 0-d bool tensor, :meth:`Router.gate`, that the op reads
+  on the device; :meth:`Probe.step` fills it. The graph does not change with the schedule, so
+  ``every``, a budget and emissions never recompile it;
+* the state a capture writes must exist when the graph is traced: :func:`_ensure_slot` runs at
+  trace time (dynamo calls it instead of tracing it) and creates it from the traced shapes, on
+  the activations' device, marked as a static address for CUDA graphs. Each hook site holds a
+  :class:`Slot` through which the traced code then reads that state;
+* what the traced code reads from the router (attached, a forward in flight, no measurement)
+  becomes a guard: it holds for every training step, and ``detach`` removes the hooks anyway;
+* captures in a graph are not timed one by one (a host clock cannot run inside a graph):
+  :attr:`Router.captured_in_graph` tells ``Probe.step``, which then estimates the capture cost
+  from whole step times (``budget.py``).
 """
 from __future__ import annotations
 
 import contextlib
+import itertools
+import weakref
 from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
+from .._trace import assume_constant_result
 from .budget import WorkTimer
 from .hooks import ForwardScope
 from .sites import Collector
+
+
+class Slot:
+    """One (site, layer) a hook captures into; the compiled path finds the state through it.
+
+    ``acc`` and ``gate`` are set at trace time by :func:`_ensure_slot`: the streaming
+    :class:`~fastspec.probe.sites.SiteCovariance` of this site and the router's gate on its device.
+    """
+
+    _keys = itertools.count()
+
+    def __init__(self, router: "Router", site: str, layer: int | None):
+        self.router, self.site, self.layer = router, site, layer
+        self.acc = None
+        self.gate: Tensor | None = None
+        # a str, not an int: dynamo may trace an int read through a hook's closure as a SymInt
+        # (under FSDP2 it does, once two layers' hooks differ in it), which _ensure_slot cannot take
+        self.key = f"slot{next(Slot._keys)}"
+        _SLOTS[self.key] = self
+
+
+_SLOTS: "weakref.WeakValueDictionary[str, Slot]" = weakref.WeakValueDictionary()
+
+
+@assume_constant_result
+def _ensure_slot(key: str, dim: tuple, device: torch.device, convention: str, headed: bool,
+                 head_offset: int) -> bool:
+    """Create slot ``key``'s streaming state (``dim`` on ``device``) if it does not exist yet, mark
+    it static for CUDA graphs, and point the slot at it and at the gate of ``device``.
+
+    Runs at trace time only: the graph then reads ``slot.acc``/``slot.gate`` as inputs."""
+    import torch._dynamo
+
+    slot = _SLOTS[key]
+    router = slot.router
+    acc = router.stream.ensure(slot.site, slot.layer, tuple(dim), convention, headed, head_offset, device)
+    for t in acc.cov.state_dict()["state"].values():
+        torch._dynamo.mark_static_address(t)
+    gate = router.gate(device)
+    torch._dynamo.mark_static_address(gate)
+    slot.acc, slot.gate = acc, gate
+    return True
 
 
 class Router:
@@ -42,8 +103,43 @@ class Router:
     def __init__(self, stream: Collector, scope: ForwardScope, timer: WorkTimer, row_step: int):
         self.stream, self.scope, self.timer, self.row_step = stream, scope, timer, row_step
         self.streaming = False         # attached: owned by Probe.attach / detach
-        self.capture_this_step = True  # the schedule's decision: owned by Probe.step
+        self._capture_this_step = True
+        self._gates: dict[torch.device, Tensor] = {}
+        self._slots: dict[tuple[str, int | None], Slot] = {}
         self._measurement: Collector | None = None
+        self.captured_in_graph = False  # set by captures inside a compiled graph; Probe.step clears it
+
+    @property
+    def capture_this_step(self) -> bool:
+        """The schedule's decision for the next forwards (owned by ``Probe.step``)."""
+        return self._capture_this_step
+
+    @capture_this_step.setter
+    def capture_this_step(self, value: bool) -> None:
+        self._capture_this_step = bool(value)
+        for gate in self._gates.values():
+            gate.fill_(self._capture_this_step)  # on CUDA an async fill: no sync
+
+    def gate(self, device: torch.device) -> Tensor:
+        """The decision as a 0-d bool tensor on ``device`` (read by compiled captures)."""
+        gate = self._gates.get(device)
+        if gate is None:
+            gate = self._gates[device] = torch.full((), self._capture_this_step, dtype=torch.bool,
+                                                    device=device)
+        return gate
+
+    def slot(self, site: str, layer: int | None) -> Slot:
+        """The :class:`Slot` of one hooked (site, layer) (the same one each time the hooks go on)."""
+        slot = self._slots.get((site, layer))
+        if slot is None:
+            slot = self._slots[(site, layer)] = Slot(self, site, layer)
+        return slot
+
+    def forget_slots(self) -> None:
+        """Point every slot at nothing (after the streaming state was replaced, e.g. by a
+        checkpoint load): a compiled graph's guards then fail, and its retrace finds the new state."""
+        for slot in self._slots.values():
+            slot.acc = slot.gate = None
 
     def destination(self) -> Collector | None:
         """Where a capture made now goes (None: dropped)."""
@@ -62,9 +158,13 @@ class Router:
         finally:
             self._measurement = outer
 
-    def capture(self, site: str, layer: int | None, x: Tensor, *, headed: bool, convention: str,
+    def capture(self, slot: Slot, x: Tensor, *, headed: bool, convention: str,
                 head_offset: int = 0, stream_row_step: int | None = None) -> None:
         """Merge rows ``x: [*rows, H, D]`` (``headed``) or ``[*rows, D]`` of one site."""
+        if torch.compiler.is_compiling():
+            self._capture_in_graph(slot, x, headed=headed, convention=convention, head_offset=head_offset,
+                                   stream_row_step=stream_row_step)
+            return
         target = self.destination()
         if target is None:
             return
@@ -81,7 +181,21 @@ class Router:
             if x.device.type in ("cuda", "cpu"):
                 stack.enter_context(torch.autocast(x.device.type, enabled=False))
             x = x.detach()
-            target.update(site, layer, x, self.scope.mask_for(x), headed=headed, convention=convention,
-                          head_offset=head_offset, row_step=row_step)
+            target.update(slot.site, slot.layer, x, self.scope.mask_for(x), headed=headed,
+                          convention=convention, head_offset=head_offset, row_step=row_step)
         if token is not None:
             self.timer.stop(token, "capture")
+
+    def _capture_in_graph(self, slot: Slot, x: Tensor, *, headed: bool, convention: str, head_offset: int,
+                          stream_row_step: int | None) -> None:
+        """The traced capture: one custom op on the streaming state, gated on the device."""
+        # guards, constant for a training run: measure() runs the eager module, not a graph
+        if not self.scope.active or not self.streaming or self._measurement is not None:
+            return
+        if x.numel() == 0:
+            return
+        dim = tuple(x.shape[-2:]) if headed else (x.shape[-1],)
+        _ensure_slot(slot.key, dim, x.device, convention, headed, head_offset)
+        row_step = stream_row_step if stream_row_step is not None else self.row_step
+        slot.acc.cov.update(x.detach(), self.scope.mask_for(x), row_step=row_step, gate=slot.gate)
+        self.captured_in_graph = True

@@ -88,17 +88,26 @@ class Collector:
         self.backend, self.precision = backend, precision
         self.accs: dict[SiteKey, SiteCovariance] = {}
 
-    def update(self, site: str, layer: int | None, x: Tensor, mask: Tensor | None, *,
-               headed: bool, convention: str, head_offset: int = 0, row_step: int = 1) -> None:
-        """Merge rows ``x: [*rows, H, D]`` (headed) or ``[*rows, D]``; ``mask: [*rows]`` or None."""
-        dim = tuple(x.shape[-2:]) if headed else (x.shape[-1],)
+    def ensure(self, site: str, layer: int | None, dim: tuple[int, ...], convention: str, headed: bool,
+               head_offset: int, device: torch.device | None = None) -> SiteCovariance:
+        """The :class:`SiteCovariance` of ``(site, layer)``, created if new (raises if an existing
+        one has another shape); with ``device``, its state is allocated there if it is not yet."""
         acc = self.accs.get((site, layer))
         if acc is None:
             acc = self.accs[(site, layer)] = SiteCovariance(dim, convention, headed, head_offset,
                                                          self.backend, self.precision)
-        elif (*acc.cov.sites, acc.cov.D) != dim:
-            raise ValueError(f"{site} layer {layer}: activation shape {list(x.shape)} does not match "
+        elif (*acc.cov.sites, acc.cov.D) != tuple(dim):
+            raise ValueError(f"{site} layer {layer}: activation shape {list(dim)} (trailing) does not match "
                              f"the accumulator's {(*acc.cov.sites, acc.cov.D)}")
+        if device is not None:
+            acc.cov.allocate(device)
+        return acc
+
+    def update(self, site: str, layer: int | None, x: Tensor, mask: Tensor | None, *,
+               headed: bool, convention: str, head_offset: int = 0, row_step: int = 1) -> None:
+        """Merge rows ``x: [*rows, H, D]`` (headed) or ``[*rows, D]``; ``mask: [*rows]`` or None."""
+        dim = tuple(x.shape[-2:]) if headed else (x.shape[-1],)
+        acc = self.ensure(site, layer, dim, convention, headed, head_offset)
         if x.numel() == 0:  # e.g. a batch with no tokens: nothing to merge
             return
         acc.cov.update(x, mask, row_step=row_step)

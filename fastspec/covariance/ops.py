@@ -1,0 +1,152 @@
+"""One streaming-covariance update as a ``torch.library`` custom op, so it lives inside graphs.
+
+``torch.ops.fastspec.covariance_update_`` merges the rows of one activation tensor into a
+:class:`~fastspec.Covariance`'s float64 totals, *in place*::
+
+    fastspec::covariance_update_(Tensor(a!) n, Tensor(b!) rejected, Tensor(c!) first,
+                                 Tensor(d!) second, Tensor x, Tensor? mask, Tensor? gate,
+                                 int row_step, bool track_mean, str precision, str backend) -> ()
+
+    n        [S]        int64    rows merged per site
+    rejected [S]        int64    rows refused for NaN/Inf
+    first    [S, D]     float64  running mean (track_mean) or raw Σx
+    second   [S, D, D]  float64  centred M2 (track_mean) or raw Σxxᵀ
+    x        [B, T, S, D]         rows (any float dtype, any strides), never copied to fp32 on CUDA
+    mask     [B, T] bool or None  rows to count (padding False)
+    gate     0-d bool or None     merge only if True: the streaming schedule as *data*
+
+It is the whole of :meth:`Covariance.update` after argument checks: the precision policy
+(``policy.update_plan``), the per-update sums (the Triton kernels or ``blocked.py``), and the
+exact Chan merge (:func:`merge_sums`). Eager updates call :func:`covariance_update` directly;
+under ``torch.compile`` they call the op, which dynamo and Inductor keep as one opaque node
+with four mutated inputs (functionalised by AOTAutograd, no graph break), with a fake
+implementation that checks shapes and does nothing.
+
+**The gate** makes a compiled graph independent of the capture schedule, so it never
+recompiles when the schedule changes. ``gate`` is a tensor on the device of the state:
+
+* on CPU it is read on the host (no device to wait for) and a closed gate returns at once;
+* on CUDA it is never read on the host (that would sync, and a CUDA graph would bake the
+  answer in): it is folded into the row mask, so a closed gate merges zero rows, which leaves
+  the totals bit-for-bit unchanged (the Chan merge of an empty chunk adds exact zeros). The
+  rows are still read; skipping the work on the device is the kernels' business.
+
+CUDA graphs (``mode="reduce-overhead"``): the state tensors are allocated before the first
+capture and marked static (``torch._dynamo.mark_static_address``), so cudagraph trees accept
+their mutation; the update allocates its temporaries afresh while a stream is being captured
+(a buffer cached across calls would otherwise live in the graph's private pool).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import blocked
+from .policy import update_plan
+
+__all__ = ["chan_merge", "covariance_update", "covariance_update_op", "fold_gate", "merge_sums"]
+
+
+def merge_sums(st: dict[str, Tensor], track_mean: bool, n_b: Tensor, c: Tensor, s: Tensor, G: Tensor,
+               rejected: Tensor) -> None:
+    """Merge one chunk's sums about shift ``c`` (``s = Σ(x−c)``, ``G = Σ(x−c)(x−c)ᵀ``, ``n_b``
+    rows, ``rejected`` refused) into the totals ``st`` (``n``, ``rejected`` and ``mean``/``m2``
+    or ``sum``/``gram``), in place."""
+    nb = n_b.to(torch.int64)
+    st["rejected"] += rejected.to(torch.int64)
+    s64 = s.double()
+    if not track_mean:
+        # raw sums: every path takes them about c = 0
+        st["sum"] += s64
+        st["gram"] += G
+        st["n"] += nb
+        return
+    inv_nb = 1 / nb.double().clamp_min(1)
+    mean_b = c.double() + s64 * inv_nb[:, None]
+    chan_merge(st, nb, mean_b, G, s64, inv_nb)
+
+
+def chan_merge(st: dict[str, Tensor], nb: Tensor, mean_b: Tensor, G: Tensor,
+               s: Tensor | None = None, inv_nb: Tensor | None = None) -> None:
+    """Chan et al.: merge chunk ``(nb, mean_b, m2_b)`` into the running (n, mean, m2), in place.
+
+    ``m2_b = G − s sᵀ/nb`` (``s``/``inv_nb`` given: sums about a shift) or ``G`` itself. The
+    D×D updates are in place (one batched rank-2 or rank-1 product), with no D×D temporaries.
+    An empty chunk (``nb = 0``, ``s = G = 0``) adds exact zeros: the totals do not change.
+    """
+    na = st["n"].double()
+    nbd = nb.double()
+    n = (na + nbd).clamp_min(1)
+    delta = mean_b - st["mean"]
+    st["mean"].addcmul_(delta, (nbd / n)[:, None])
+    m2 = st["m2"]
+    m2 += G
+    w = na * nbd / n  # [S]
+    # m2 += −s sᵀ/nb + δ δᵀ·w as one batched rank-2 update U Vᵀ with U = [a | b], V = [−a | b],
+    # a = s/√nb, b = δ√w: entry (i, j) and (j, i) are the same two products, so m2 stays
+    # exactly symmetric
+    b = delta * w.sqrt()[:, None]
+    if s is not None:
+        a = s * inv_nb.sqrt()[:, None]
+        m2.baddbmm_(torch.stack((a, b), -1), torch.stack((-a, b), -2))
+    else:
+        m2.baddbmm_(b[:, :, None], b[:, None, :])
+    st["n"] += nb
+
+
+def _state(n: Tensor, rejected: Tensor, first: Tensor, second: Tensor, track_mean: bool) -> dict[str, Tensor]:
+    return {"n": n, "rejected": rejected, **({"mean": first, "m2": second} if track_mean
+                                               else {"sum": first, "gram": second})}
+
+
+def fold_gate(x: Tensor, mask: Tensor | None, gate: Tensor) -> Tensor:
+    """The row mask ``[B, T]`` of ``x: [B, T, S, D]`` with ``gate`` folded in, computed on the
+    device (no host read): every row is dropped where the gate is False."""
+    keep = gate.to(torch.bool).expand(x.shape[:2])
+    return keep if mask is None else mask & keep
+
+
+def _gated_mask(x: Tensor, mask: Tensor | None, gate: Tensor | None) -> tuple[bool, Tensor | None]:
+    """``(whether to run at all, the row mask to use)`` (module docstring)."""
+    if gate is None:
+        return True, mask
+    if gate.device.type == "cpu":
+        return bool(gate), mask  # a host read costs nothing here
+    return True, fold_gate(x, mask, gate)
+
+
+def covariance_update(n: Tensor, rejected: Tensor, first: Tensor, second: Tensor, x: Tensor,
+                      mask: Tensor | None, gate: Tensor | None, row_step: int, track_mean: bool,
+                      precision: str, backend: str) -> None:
+    """Merge rows ``x: [B, T, S, D]`` into the state, in place (the op's implementation; see the
+    module docstring for the arguments). Arguments are checked by :meth:`Covariance.update`."""
+    run, mask = _gated_mask(x, mask, gate)
+    if not run:
+        return
+    st = _state(n, rejected, first, second, track_mean)
+    plan = update_plan(precision, backend, track_mean, x)
+    if plan.backend == "triton":
+        from .triton_update import covariance_partials_triton
+
+        merge_sums(st, track_mean, *covariance_partials_triton(x, mask, row_step, track_mean))
+        return
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    ws = blocked.Workspace() if capturing else blocked.shared_workspace()
+    merge_sums(st, track_mean, *blocked.accumulate(x, mask, row_step, track_mean, plan.products, ws))
+
+
+covariance_update_op = torch.library.custom_op(
+    "fastspec::covariance_update_", mutates_args=("n", "rejected", "first", "second"))(covariance_update)
+
+
+@covariance_update_op.register_fake
+def _covariance_update_fake(n, rejected, first, second, x, mask, gate, row_step, track_mean, precision,
+                            backend) -> None:
+    S, D = x.shape[-2], x.shape[-1]
+    torch._check(x.dim() == 4, lambda: f"x: expected [B, T, S, D], got {list(x.shape)}")
+    torch._check(tuple(n.shape) == (S,) and tuple(rejected.shape) == (S,),
+                 lambda: f"n/rejected: expected [{S}], got {list(n.shape)}/{list(rejected.shape)}")
+    torch._check(tuple(first.shape) == (S, D) and tuple(second.shape) == (S, D, D),
+                 lambda: f"state: expected [{S}, {D}] and [{S}, {D}, {D}], got "
+                         f"{list(first.shape)} and {list(second.shape)}")
+    return None
