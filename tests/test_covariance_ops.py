@@ -111,3 +111,17 @@ def test_gate_must_be_one_element_on_the_data_device():
     cov = fastspec.Covariance(4)
     with pytest.raises(ValueError, match="gate: expected a one-element tensor"):
         cov.update(torch.randn(5, 4), gate=torch.ones(2, dtype=torch.bool))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: on CPU the products are SciPy BLAS, which autocast never touches")
+def test_autocast_around_a_compiled_update_does_not_lower_the_products():
+    """A compiled graph called under autocast runs the op with autocast still on: the blocked
+    path's float32 bmm must not drop to bf16."""
+    torch._dynamo.reset()
+    x = _rows(B=2, T=64, S=2, D=16, seed=3).cuda()
+    want = fastspec.Covariance((2, 16), precision="fast", backend="torch").update(x)
+    cov = fastspec.Covariance((2, 16), device="cuda", precision="fast", backend="torch")
+    step = torch.compile(lambda c, x: c.update(x), fullgraph=True, backend="aot_eager")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        step(cov, x)
+    assert torch.equal(cov.covariance(), want.covariance())

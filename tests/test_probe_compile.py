@@ -215,13 +215,20 @@ def test_nan_rows_masks_and_row_sampling_in_the_graph():
     assert got[(0, "b", None, None, "n")] == 3 * 5 - 1 - 1
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
-def test_cuda_compiled_and_cuda_graphs_equal_eager(mode):
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode, cuda_graphs", [(None, False), (None, True), ("reduce-overhead", True)])
+def test_cuda_compiled_and_cuda_graphs_equal_eager(mode, cuda_graphs):
+    """Default mode with the gate on the host or on the GPU, and CUDA graphs (which need the
+    GPU gate): the records of eager streaming, and no CUDA graph skipped."""
+    from torch._dynamo.utils import counters
+
     model = build("llama").cuda()
     inputs = [{k: v.cuda() for k, v in batch(seed=s).items()} for s in range(2)]
     want = _stream(model, model, _probe(model, "llama", every=2, emit_every=4), inputs, steps=8)
-    probe = _probe(model, "llama", every=2, emit_every=4).attach()
+    probe = _probe(model, "llama", every=2, emit_every=4, cuda_graphs=cuda_graphs)
     compiled = torch.compile(model, fullgraph=True, mode=mode)
+    counters.clear()
     got = _stream(model, compiled, probe, inputs, steps=8)
     _assert_same(got, want, rel=1e-5)
+    if mode == "reduce-overhead":
+        assert counters["inductor"]["cudagraph_skips"] == 0

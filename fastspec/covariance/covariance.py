@@ -231,9 +231,10 @@ class Covariance:
             x: activations in any float dtype and any strides; never copied to fp32 on CUDA.
             mask: optional bool ``[*rows]``; rows where it is False (padding) are not counted.
             row_step: keep every k-th row along the last row axis (token sampling).
-            gate: optional 0-d bool tensor on the state's device: merge only where it is True,
-                decided on the device (a compiled graph then does not depend on it; see
-                ``fastspec/covariance/ops.py``).
+            gate: optional 0-d bool tensor: merge only if it is True. On the CPU it is read on
+                the host (no sync: a closed gate skips the work); on the data's device it is
+                applied there (CUDA-graph safe, the rows are still read). Either way a compiled
+                graph does not depend on its value (``fastspec/covariance/ops.py``).
 
         Inside ``torch.compile`` the update is one custom op, ``torch.ops.fastspec.covariance_update_``
         (no graph break); give ``device=`` at construction so the state exists before tracing.
@@ -241,8 +242,9 @@ class Covariance:
         lead = self._check_update(x, mask, row_step)
         if self._state is None:
             self._init_state(x.device)
-        if gate is not None and (not isinstance(gate, Tensor) or gate.numel() != 1 or gate.device != x.device):
-            raise ValueError(f"gate: expected a one-element tensor on {x.device}, got "
+        if gate is not None and (not isinstance(gate, Tensor) or gate.numel() != 1
+                                 or gate.device not in (x.device, torch.device("cpu"))):
+            raise ValueError(f"gate: expected a one-element tensor on {x.device} or the CPU, got "
                              f"{gate if not isinstance(gate, Tensor) else f'shape {list(gate.shape)} on {gate.device}'}")
         if mask is not None and mask.dtype != torch.bool:
             mask = mask != 0

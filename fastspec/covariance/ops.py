@@ -14,6 +14,7 @@
     x        [B, T, S, D]         rows (any float dtype, any strides), never copied to fp32 on CUDA
     mask     [B, T] bool or None  rows to count (padding False)
     gate     0-d bool or None     merge only if True: the streaming schedule as *data*
+                                  (on the CPU, or on the device of x)
 
 It is the whole of :meth:`Covariance.update` after argument checks: the precision policy
 (``policy.update_plan``), the per-update sums (the Triton kernels or ``blocked.py``), and the
@@ -23,13 +24,16 @@ with four mutated inputs (functionalised by AOTAutograd, no graph break), with a
 implementation that checks shapes and does nothing.
 
 **The gate** makes a compiled graph independent of the capture schedule, so it never
-recompiles when the schedule changes. ``gate`` is a tensor on the device of the state:
+recompiles when the schedule changes. It is a 0-d bool tensor in one of two places:
 
-* on CPU it is read on the host (no device to wait for) and a closed gate returns at once;
-* on CUDA it is never read on the host (that would sync, and a CUDA graph would bake the
-  answer in): it is folded into the row mask, so a closed gate merges zero rows, which leaves
-  the totals bit-for-bit unchanged (the Chan merge of an empty chunk adds exact zeros). The
-  rows are still read; skipping the work on the device is the kernels' business.
+* on the CPU (also for CUDA data): read on the host, which waits for nothing, and a closed
+  gate returns at once: an idle step costs nothing but the call. A CPU tensor in a graph keeps
+  Inductor from turning it into a CUDA graph, though;
+* on the data's device, for CUDA graphs: never read on the host (that would sync, and a CUDA
+  graph would bake the answer in), it is folded into the row mask (:func:`fold_gate`), so a
+  closed gate merges zero rows, which leaves the totals bit-for-bit unchanged (the Chan merge
+  of an empty chunk adds exact zeros). The rows are still read and the products formed: an
+  idle step costs as much as a captured one.
 
 CUDA graphs (``mode="reduce-overhead"``): the state tensors are allocated before the first
 capture and marked static (``torch._dynamo.mark_static_address``), so cudagraph trees accept
@@ -122,6 +126,12 @@ def covariance_update(n: Tensor, rejected: Tensor, first: Tensor, second: Tensor
     module docstring for the arguments). Arguments are checked by :meth:`Covariance.update`."""
     run, mask = _gated_mask(x, mask, gate)
     if not run:
+        return
+    if x.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(x.device.type):
+        # a compiled graph called under autocast still has it on here: the products must stay
+        # in the precision the policy chose, not the autocast dtype
+        with torch.autocast(x.device.type, enabled=False):
+            covariance_update(n, rejected, first, second, x, mask, None, row_step, track_mean, precision, backend)
         return
     st = _state(n, rejected, first, second, track_mean)
     plan = update_plan(precision, backend, track_mean, x)

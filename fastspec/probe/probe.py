@@ -121,6 +121,10 @@ class Probe:
             ``"rank0"``, or ``"none"`` (each rank its own tokens).
         process_group: the data-parallel group to merge over (default: the world).
         tp_rank: tensor-parallel rank; head indices become ``tp_rank * H_local + h``.
+        cuda_graphs: for ``torch.compile(mode="reduce-overhead")``: the capture schedule of a
+            compiled model is then a tensor on the GPU, which a CUDA graph can hold, and idle
+            steps do the capture work too (masked out). Default: a CPU tensor, which makes idle
+            steps free but keeps Inductor from using CUDA graphs (docs/compile.md).
         clock: host clock for the overhead timer (seconds; default ``time.perf_counter``).
 
     Example::
@@ -137,8 +141,8 @@ class Probe:
                  exact_sv: bool | None = None, every: int = 1,
                  emit_every: int = 100, reset: bool = True, row_step: int = 1,
                  budget: float | None = None, ffn_rows: int | str = "auto", sync: str = "all",
-                 process_group=None,
-                 tp_rank: int = 0, clock: Callable[[], float] | None = None):
+                 process_group=None, tp_rank: int = 0, cuda_graphs: bool = False,
+                 clock: Callable[[], float] | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         keys, queries = _check_flag("keys", keys), _check_flag("queries", queries)
@@ -173,7 +177,8 @@ class Probe:
         self._timer = WorkTimer(clock)
         self._stream = Collector(self.backend, self.precision)
         scope = ForwardScope(self.model)
-        self._router = Router(self._stream, scope, self._timer, self.row_step)
+        self._router = Router(self._stream, scope, self._timer, self.row_step,
+                              cuda_graphs=_check_flag("cuda_graphs", cuda_graphs))
         self._hooks = Hooks(self.model, self.sites, self.family, self._router.capture, self._router.slot, scope)
         self._emitter = Emitter(self.model, self.family, gamma=keys or queries or prerope_keys, sync=sync,
                                 process_group=process_group)

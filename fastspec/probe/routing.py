@@ -18,9 +18,10 @@ captures are timed for the overhead budget (a ``measure`` is the user's explicit
 **Inside ``torch.compile``** (the hooks are traced with the model, no graph break) a capture is
 one ``fastspec::covariance_update_`` op on the streaming totals (``fastspec/covariance/ops.py``):
 
-* the decision "capture this step" is a 0-d bool tensor, :meth:`Router.gate`, that the op reads
-  on the device; :meth:`Probe.step` fills it. The graph does not change with the schedule, so
-  ``every``, a budget and emissions never recompile it;
+* the decision "capture this step" is a 0-d bool tensor, :meth:`Router.gate`, that the op
+  reads (on the host from a CPU tensor; on the device for CUDA graphs); :meth:`Probe.step`
+  fills it. The graph does not change with the schedule, so ``every``, a budget and emissions
+  never recompile it;
 * the state a capture writes must exist when the graph is traced: :func:`_ensure_slot` runs at
   trace time (dynamo calls it instead of tracing it) and creates it from the traced shapes, on
   the activations' device, marked as a static address for CUDA graphs. Each hook site holds a
@@ -98,10 +99,13 @@ class Router:
         timer: times streaming captures for the budget.
         row_step: token sampling (every ``row_step``-th token) of measurements and of streaming
             sites without a row step of their own.
+        cuda_graphs: keep the gate of compiled captures on the activations' device (see :meth:`gate`).
     """
 
-    def __init__(self, stream: Collector, scope: ForwardScope, timer: WorkTimer, row_step: int):
+    def __init__(self, stream: Collector, scope: ForwardScope, timer: WorkTimer, row_step: int,
+                 cuda_graphs: bool = False):
         self.stream, self.scope, self.timer, self.row_step = stream, scope, timer, row_step
+        self.cuda_graphs = cuda_graphs
         self.streaming = False         # attached: owned by Probe.attach / detach
         self._capture_this_step = True
         self._gates: dict[torch.device, Tensor] = {}
@@ -121,7 +125,10 @@ class Router:
             gate.fill_(self._capture_this_step)  # on CUDA an async fill: no sync
 
     def gate(self, device: torch.device) -> Tensor:
-        """The decision as a 0-d bool tensor on ``device`` (read by compiled captures)."""
+        """The decision as a 0-d bool tensor, read by the captures of a compiled graph whose
+        activations are on ``device``: a CPU tensor, which a closed gate makes free, or with
+        ``cuda_graphs`` one on ``device``, which CUDA graphs can hold (``fastspec/covariance/ops.py``)."""
+        device = device if self.cuda_graphs else torch.device("cpu")
         gate = self._gates.get(device)
         if gate is None:
             gate = self._gates[device] = torch.full((), self._capture_this_step, dtype=torch.bool,
