@@ -179,6 +179,30 @@ def test_outputs_and_gradients_bitwise_equal_with_and_without_the_probe(backend)
     _assert_same(_values(records), _values(want))
 
 
+def test_activation_checkpointing_no_break_and_no_recompute_counted():
+    """Hooks inside checkpointed layers are traced into the checkpoint's subgraph (which allows
+    no Python side effects); the recompute in backward is not counted, as eagerly."""
+    model = build("llama").train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    inputs = dict(batch(), use_cache=False)
+
+    def run(forward):
+        probe = fastspec.Probe(model, ffn_rows="all", emit_every=1)
+        with probe.streaming():
+            forward(**inputs, labels=inputs["input_ids"]).loss.backward()
+            return _values(probe.step(0))
+
+    want = run(model)
+    probe = fastspec.Probe(model, ffn_rows="all").attach()
+    explained = torch._dynamo.explain(model)(**inputs, labels=inputs["input_ids"])
+    probe.detach()
+    assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
+    torch._dynamo.reset()
+    got = run(torch.compile(model, fullgraph=True, backend="aot_eager"))
+    _assert_same(got, want)
+    assert {v for k, v in got.items() if k[-1] == "n"} == {36.0}  # 3 x 12 tokens, once
+
+
 def test_nan_rows_masks_and_row_sampling_in_the_graph():
     """A plain module site: refused NaN rows, the padding mask and row_step counted in the graph
     exactly as eagerly."""

@@ -330,7 +330,8 @@ class Probe:
         step_s = None if self._last_step_t is None else now - self._last_step_t
         # each step's work is judged with that step's time and flags, once its CUDA events are done
         # captures inside a compiled graph are untimed: the budget judges them by step times
-        in_graph, self._router.captured_in_graph = self._router.captured_in_graph, False
+        in_graph = self._router.captured_in_graph
+        self._router.end_step()
         tag = (step_s, self._router.capture_this_step, emitting, in_graph)
         for work, (s, captured, emitted, untimed) in self._timer.close_step(tag):
             if s is not None:

@@ -28,9 +28,11 @@ one ``fastspec::covariance_update_`` op on the streaming totals (``fastspec/cova
   :class:`Slot` through which the traced code then reads that state;
 * what the traced code reads from the router (attached, a forward in flight, no measurement)
   becomes a guard: it holds for every training step, and ``detach`` removes the hooks anyway;
-* captures in a graph are not timed one by one (a host clock cannot run inside a graph):
-  :attr:`Router.captured_in_graph` tells ``Probe.step``, which then estimates the capture cost
-  from whole step times (``budget.py``).
+* captures in a graph are not timed one by one (a host clock cannot run inside a graph), and
+  the traced code changes no Python state (dynamo refuses that inside higher-order ops such as
+  activation checkpointing): :attr:`Router.captured_in_graph` infers it instead (captures were
+  traced, and no eager capture was timed this step), and ``Probe.step`` then estimates the
+  capture cost from whole step times (``budget.py``).
 """
 from __future__ import annotations
 
@@ -87,6 +89,7 @@ def _ensure_slot(key: str, dim: tuple, device: torch.device, convention: str, he
     gate = router.gate(device)
     torch._dynamo.mark_static_address(gate)
     slot.acc, slot.gate = acc, gate
+    router.traced = True
     return True
 
 
@@ -111,7 +114,17 @@ class Router:
         self._gates: dict[torch.device, Tensor] = {}
         self._slots: dict[tuple[str, int | None], Slot] = {}
         self._measurement: Collector | None = None
-        self.captured_in_graph = False  # set by captures inside a compiled graph; Probe.step clears it
+        self.traced = False   # captures were traced into a compiled graph (set at trace time)
+        self.timed = 0        # eager streaming captures timed since end_step()
+
+    @property
+    def captured_in_graph(self) -> bool:
+        """Whether this step's streaming captures ran inside a compiled graph (untimed)."""
+        return self.traced and self.timed == 0
+
+    def end_step(self) -> None:
+        """``Probe.step``: start counting the next step's eager captures."""
+        self.timed = 0
 
     @property
     def capture_this_step(self) -> bool:
@@ -192,6 +205,7 @@ class Router:
                           convention=convention, head_offset=head_offset, row_step=row_step)
         if token is not None:
             self.timer.stop(token, "capture")
+            self.timed += 1
 
     def _capture_in_graph(self, slot: Slot, x: Tensor, *, headed: bool, convention: str, head_offset: int,
                           stream_row_step: int | None) -> None:
@@ -205,4 +219,3 @@ class Router:
         _ensure_slot(slot.key, dim, x.device, convention, headed, head_offset)
         row_step = stream_row_step if stream_row_step is not None else self.row_step
         slot.acc.cov.update(x.detach(), self.scope.mask_for(x), row_step=row_step, gate=slot.gate)
-        self.captured_in_graph = True
