@@ -99,6 +99,27 @@ def test_attach_after_compile_recompiles_once_then_captures():
     assert torch.equal(plain, again)
 
 
+def test_measure_runs_eagerly_next_to_submodules_compiled_in_place():
+    """Attention and MLP compiled in place (as under FSDP2): streaming captures in their graphs,
+    and a measurement afterwards still sees every site (it runs with compilation off; the
+    graph traced for streaming would drop measurement captures)."""
+    model = build("llama")
+    inputs = batch(pad="left")
+    want = _values(fastspec.Probe(model, ffn_rows="all").measure(inputs, step=0))
+    for layer in model.model.layers:
+        layer.self_attn.compile(fullgraph=True, backend="aot_eager")
+        layer.mlp.compile(fullgraph=True, backend="aot_eager")
+    probe = fastspec.Probe(model, ffn_rows="all", emit_every=1)
+    with probe.streaming():
+        with torch.no_grad():
+            model(**inputs)
+        assert probe._router.captured_in_graph
+        streamed = _values(probe.step(0))
+        measured = _values(probe.measure(inputs, step=0))
+    _assert_same(measured, want)
+    _assert_same(streamed, want)
+
+
 def test_no_recompile_across_100_steps_with_emission_and_a_changing_interval():
     """A budget that changes ``every`` (a fake clock makes captured steps expensive, then
     cheap), emissions every 10 steps: one graph, never recompiled; the token counts follow the

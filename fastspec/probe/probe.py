@@ -32,6 +32,7 @@ Schedules: :meth:`Probe.measure` (eval protocol) and streaming (:meth:`Probe.att
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -74,9 +75,13 @@ def _unwrap_compiled(model: nn.Module) -> nn.Module:
 
 
 def _force_eager():
-    """Run every ``torch.compile``'d function eagerly inside this context (torch >= 2.6)."""
+    """Run every ``torch.compile``'d function eagerly inside this context (torch >= 2.6): a
+    measurement is the eager protocol, and must not recompile (or skip) a graph traced for
+    streaming, e.g. of submodules compiled in place. Free when nothing was ever compiled."""
     set_stance = getattr(torch.compiler, "set_stance", None)
-    return contextlib.nullcontext() if set_stance is None else set_stance("force_eager")
+    if set_stance is None or "torch._dynamo" not in sys.modules:  # nothing can be compiled yet
+        return contextlib.nullcontext()
+    return set_stance("force_eager")
 
 
 class Probe:
