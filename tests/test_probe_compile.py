@@ -120,6 +120,20 @@ def test_measure_runs_eagerly_next_to_submodules_compiled_in_place():
     _assert_same(streamed, want)
 
 
+def test_layers_compiled_one_by_one_keep_their_sites():
+    """``layers[i] = torch.compile(layers[i])`` puts ``_orig_mod`` in every module name below
+    it; the FFN, pre-RoPE and module sites are still found, and record what eager streaming does."""
+    model = build("qwen3")
+    inputs = [batch(seed=s) for s in range(2)]
+    kw = dict(modules="model.layers.*.mlp.act_fn", every=1, emit_every=2)
+    want = _stream(model, model, _probe(model, "qwen3", **kw), inputs, steps=2)
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    assert any("._orig_mod." in n for n, _ in model.named_modules())
+    got = _stream(model, model, _probe(model, "qwen3", **kw), inputs, steps=2)
+    _assert_same(got, want)
+
+
 def test_no_recompile_across_100_steps_with_emission_and_a_changing_interval():
     """A budget that changes ``every`` (a fake clock makes captured steps expensive, then
     cheap), emissions every 10 steps: one graph, never recompiled; the token counts follow the

@@ -79,15 +79,22 @@ def layer_of(name: str, module=None) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def plain_name(name: str) -> str:
+    """A module name without the ``_orig_mod`` segments that ``torch.compile`` wrappers put in it
+    (``layers.0._orig_mod.mlp`` -> ``layers.0.mlp``, e.g. layers compiled one by one)."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
 def matches(model: nn.Module, pattern: str | None) -> list[tuple[str, nn.Module, int | None]]:
-    """``(name, module, layer)`` of every module whose full name ``re.fullmatch``-es ``pattern``
-    (layer: group 1 of the pattern, else :func:`layer_of`); ``[]`` for ``pattern=None``."""
+    """``(name, module, layer)`` of every module whose full name (:func:`plain_name`)
+    ``re.fullmatch``-es ``pattern`` (layer: group 1 of the pattern, else :func:`layer_of`);
+    ``[]`` for ``pattern=None``. ``name`` is the module's real name in ``model``."""
     if pattern is None:
         return []
     rx = re.compile(pattern)
     out = []
     for name, mod in model.named_modules():
-        m = rx.fullmatch(name)
+        m = rx.fullmatch(plain_name(name))
         if m:
             out.append((name, mod, int(m.group(1)) if m.groups() else layer_of(name, mod)))
     return out

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from . import hf_attention
-from .families import Family, layer_of, matches
+from .families import Family, layer_of, matches, plain_name
 from .sites import ModuleSite
 
 # capture(slot, x, *, headed, convention, head_offset=0, stream_row_step=None)
@@ -197,7 +197,7 @@ class Hooks:
         if plan.prerope_keys:
             self._install_prerope(handles)
         for spec in plan.modules:
-            found = [(n, m) for n, m in model.named_modules() if fnmatch.fnmatchcase(n, spec.pattern)]
+            found = [(n, m) for n, m in model.named_modules() if fnmatch.fnmatchcase(plain_name(n), spec.pattern)]
             if not found:
                 raise ValueError(f"modules: no module name matches {spec.pattern!r}")
             for name, mod in found:
