@@ -111,6 +111,11 @@ def assert_accuracy(case: Case, errors: dict) -> None:
                 f"{case.id}: fastspec error {fast:.3g} > 2 × torch {base:.3g} + {FLOOR_EPS}·eps")
     elif case.suite == "train_step":
         assert fast == 0, f"{case.id}: the probe changed the loss by {fast:.3g}"
+    elif case.suite == "train_step_compiled":
+        assert fast == 0, f"{case.id}: the probe changed the compiled loss by {fast:.3g}"
+        # fullgraph=True raises on a break; the schedule is data on the device: no recompile
+        assert errors["graph_breaks"] == 0 and errors["recompiles"] == 0, (
+            f"{case.id}: {errors['graph_breaks']} graph breaks, {errors['recompiles']} recompiles")
     elif case.suite == "probe":
         from fastspec.bench.cases_probe import FAST_PR_BOUND, PR_TARGET
 

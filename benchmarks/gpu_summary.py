@@ -20,9 +20,9 @@ import re
 import sys
 from pathlib import Path
 
+from fastspec.bench.cases import SUITES as SUITE_ORDER
 from fastspec.bench.table import fmt_time
 
-SUITE_ORDER = ("eigvalsh", "covariance", "keyrank", "train_step", "probe")
 PYTEST_CLOSING = re.compile(r"^=*\s*(\d+ (passed|failed|skipped|deselected|errors?)\b|no tests ran)")
 
 
@@ -84,6 +84,10 @@ def row_line(r: dict) -> str:
     elif "rate_unit" in r:
         line += f"  {r['fastspec_rate']:.3g} vs {r['baseline_rate']:.3g} {r['rate_unit']}"
     line += f"  err {_e(r.get('fastspec_error'))} (baseline {_e(r.get('baseline_error'))})"
+    if "recompiles" in r:  # train_step_compiled: what compiling cost, and whether it held
+        line += (f"  compile {r['probed_compile_s']:.0f}+{r['baseline_compile_s']:.0f} s, graphs "
+                 f"{r['probed_graphs']:g}+{r['baseline_graphs']:g}, recompiles {r['recompiles']:g}, "
+                 f"breaks {r['graph_breaks']:g}")
     if "error" in r:
         line += f"  ERROR: {r['error']}"
     return line

@@ -106,6 +106,6 @@ def test_model_suites_skip_cleanly_without_transformers(monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
-    for suite in ("keyrank", "train_step"):
+    for suite in ("keyrank", "train_step", "train_step_compiled"):
         for case in cases(suite, "quick", CPU):
             assert case.skip and "transformers" in case.skip

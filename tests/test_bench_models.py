@@ -162,7 +162,7 @@ def test_gpu_cases_are_built_without_building_a_model(monkeypatch):
         raise AssertionError("a model was built at case construction")
 
     monkeypatch.setattr(models, "build_llama", no_build)
-    sizes = {c.size for s in ("train_step", "keyrank") for c in cases(s, "gpu", CPU)}
+    sizes = {c.size for s in ("train_step", "keyrank", "train_step_compiled") for c in cases(s, "gpu", CPU)}
     assert sizes == {"L32-KV8-d128-ff8192-N4x2048-bf16"}
 
 
@@ -184,6 +184,46 @@ def test_quick_model_suites_run_end_to_end_with_the_layer_fields():
             assert r["fastspec_error"] == 0
         else:
             assert "layers" not in r and math.isfinite(r["pr_diff_vs_baseline"])
+
+
+def test_compiled_case_names_its_backend_without_touching_the_device():
+    """inductor on CUDA, aot_eager on CPU (no C++ compile in CI); building the case compiles nothing."""
+    (cpu,) = cases("train_step_compiled", "quick", CPU)
+    (cuda,) = cases("train_step_compiled", "gpu", torch.device("cuda"))
+    assert (cpu.variant, cuda.variant) == ("aot_eager-emit_every=100", "inductor-emit_every=100")
+    assert list(cpu.baselines) == ["compiled training step without probe"] and cpu.overhead
+    assert cuda.size == "L32-KV8-d128-ff8192-N4x2048-bf16"  # the train_step suite's shape
+
+
+def test_shared_twin_shares_the_weights_but_not_the_hooks():
+    pytest.importorskip("transformers")
+    model = models.build_llama("quick", CPU)
+    twin = models.shared_twin(model)
+    seen = []
+    model.model.layers[0].mlp.down_proj.register_forward_pre_hook(lambda m, args: seen.append(1))
+    assert all(a is b for a, b in zip(model.parameters(), twin.parameters()))
+    assert all(a is b for a, b in zip(model.buffers(), twin.buffers()))
+    assert twin is not model and twin.model.layers[0] is not model.model.layers[0]
+    ids = torch.randint(models.MODEL_SHAPES["quick"]["vocab_size"], (1, 8))
+    with torch.no_grad():
+        assert torch.equal(twin(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert seen == [1]  # the model's hook ran once, for the model only
+
+
+def test_quick_compiled_train_step_runs_end_to_end_with_the_compile_fields():
+    """Both sides compiled (aot_eager on CPU) in the untimed warm-up: one graph each, no
+    recompile, no graph break, and the probe does not change the compiled loss."""
+    pytest.importorskip("transformers")
+    rows = run_cases(cases("train_step_compiled", "quick", CPU), CPU, warmup=0, repeats=1)
+    assert [r for r in rows if "error" in r or "skipped" in r] == []
+    (r,) = rows
+    assert (r["suite"], r["variant"], r["baseline"]) == (
+        "train_step_compiled", "aot_eager-emit_every=100", "compiled training step without probe")
+    assert r["size"].startswith("L2-") and r["layers"] == r["layers_requested"] == 2
+    assert r["fastspec_error"] == 0 and r["error_kind"] == "|Δloss| with probe"
+    assert math.isclose(r["overhead_pct"], (r["fastspec_s"] / r["baseline_s"] - 1) * 100)
+    assert (r["probed_graphs"], r["baseline_graphs"], r["recompiles"], r["graph_breaks"]) == (1, 1, 0, 0)
+    assert r["probed_compile_s"] > 0 and r["baseline_compile_s"] > 0
 
 
 class Built(list):

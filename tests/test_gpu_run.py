@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -147,7 +148,35 @@ def test_summary_merges_suites_into_one_results_document(tmp_path):
     assert merged["gpu_run"]["runs"][-1]["suites"] == ["covariance", "eigvalsh"]
 
 
+def test_summary_line_of_a_compiled_row_says_what_compiling_cost():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import gpu_summary
+    finally:
+        sys.path.pop(0)
+    row = {"suite": "train_step_compiled", "size": "L32", "variant": "inductor-emit_every=100",
+           "baseline": "compiled training step without probe", "fastspec_s": 0.505, "baseline_s": 0.5,
+           "speedup": 0.5 / 0.505, "overhead_pct": 1.0, "fastspec_error": 0.0, "baseline_error": None,
+           "probed_compile_s": 95.2, "baseline_compile_s": 61.0, "probed_graphs": 1.0,
+           "baseline_graphs": 1.0, "recompiles": 0.0, "graph_breaks": 0.0}
+    line = gpu_summary.row_line(row)
+    assert "overhead +1.0%" in line
+    assert line.endswith("compile 95+61 s, graphs 1+1, recompiles 0, breaks 0")
+    assert gpu_summary.SUITE_ORDER[-1] == "train_step_compiled"
+
+
 # ------------------------------------------------------------------------------ the script itself
+def test_every_suite_runs_in_some_full_part():
+    text = SCRIPT.read_text()
+    parts = dict(re.findall(r"^\s*full/(\d)\)(.*?);;", text, re.MULTILINE | re.DOTALL))
+    assert sorted(parts) == ["1", "2", "3", "4"]
+    from fastspec.bench.cases import SUITES
+
+    for suite in SUITES:
+        assert any(re.search(rf"\bbench {suite} \d+", body) for body in parts.values()), suite
+    assert "--part: expected 1, 2, 3 or 4" in text
+
+
 def test_script_has_no_network_step():
     text = SCRIPT.read_text()
     code = "\n".join(ln.split("#")[0] for ln in text.splitlines())  # comments may name pip
@@ -158,6 +187,7 @@ def test_script_has_no_network_step():
 @pytest.mark.parametrize("args, message", [
     (["--tier", "huge", "OUT"], "--tier"),
     (["--part", "2", "OUT"], "--part goes with --tier full"),
+    (["--tier", "full", "--part", "5", "OUT"], "--part: expected 1, 2, 3 or 4"),
     (["--cap", "tests", "OUT"], "--cap"),
     ([], "OUT_DIR is required"),
 ])
@@ -193,3 +223,21 @@ def test_dry_run_end_to_end_offline(tmp_path):
     assert doc["gpu_run"]["runs"][-1]["dry_run"] is True
     assert "eig:" in (out / "ncu.txt").read_text() and "cov:" in (out / "ncu.txt").read_text()
     assert "===== summary" in proc.stdout
+
+
+@pytest.mark.skipif(shutil.which("timeout") is None or shutil.which("tar") is None,
+                    reason="needs coreutils timeout and tar")
+def test_dry_run_of_the_compiled_training_step_part(tmp_path):
+    """Full tier, part 4 (the compiled training step alone), rehearsed on CPU: it compiles with
+    the probe attached, measures, and reports no graph break and no recompile."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PIP_NO_INDEX": "1", "PYTHON": sys.executable, "TMPDIR": str(tmp_path)}
+    proc = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--tier", "full", "--part", "4", str(out)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    log = (out / "gpu_run.log").read_text() if (out / "gpu_run.log").exists() else ""
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:] + log[-2000:]
+    assert "step bench-train_step_compiled: ok" in log, log
+    rows = [r for r in _strict_json(out / "bench.json")["results"] if r["suite"] == "train_step_compiled"]
+    measured = [r for r in rows if "fastspec_s" in r]
+    assert measured and not [r for r in rows if "error" in r]
+    assert all(r["recompiles"] == 0 and r["graph_breaks"] == 0 and r["fastspec_error"] == 0 for r in measured)

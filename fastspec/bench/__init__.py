@@ -13,7 +13,8 @@ test_bench_structure.py`` checks that the package has no import cycle):
 * :mod:`~fastspec.bench.models` (Llama-style models, the hand key-rank protocol, the training
   step case), :mod:`~fastspec.bench.runner` (runs cases into result rows);
 * the suites: :mod:`~fastspec.bench.cases_eigvalsh`, :mod:`~fastspec.bench.cases_covariance`,
-  :mod:`~fastspec.bench.cases_models` (``keyrank``, ``train_step``),
+  :mod:`~fastspec.bench.cases_models` (``keyrank``, ``train_step``,
+  ``train_step_compiled``),
   :mod:`~fastspec.bench.cases_probe`; and :mod:`~fastspec.bench.accuracy` (``fastspec
   compare``, on the matrix families of :mod:`fastspec.eig.cases`);
 * :mod:`~fastspec.bench.cases` (the registry: ``cases(suite, tier, device)``, ``SUITES``),

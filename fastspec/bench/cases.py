@@ -16,6 +16,9 @@ Suites (see benchmarks/README.md):
 * ``probe`` (:mod:`~fastspec.bench.cases_probe`): what the probe costs on top of the work it
   rides on (``Probe.measure`` vs the plain forward, keys-only streaming vs the plain step) and
   the key-rank computation alone vs ``svdvals`` per head.
+* ``train_step_compiled`` (:mod:`~fastspec.bench.cases_models`): ``train_step`` with both sides
+  through ``torch.compile(fullgraph=True)`` (inductor on CUDA, ``aot_eager`` on CPU). Last: its
+  compilation is the slowest setup of all.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import torch
 
 from .case import Case, check_tier, default_device
 
-SUITES = ("eigvalsh", "covariance", "keyrank", "train_step", "probe")
+SUITES = ("eigvalsh", "covariance", "keyrank", "train_step", "probe", "train_step_compiled")
 
 
 def cases(suite: str, tier: str, device: torch.device | None = None) -> list[Case]:
@@ -40,6 +43,8 @@ def cases(suite: str, tier: str, device: torch.device | None = None) -> list[Cas
         from .cases_models import train_step_cases as build
     elif suite == "probe":
         from .cases_probe import probe_cases as build
+    elif suite == "train_step_compiled":
+        from .cases_models import train_step_compiled_cases as build
     else:
         raise ValueError(f"suite: expected one of {SUITES}, got {suite!r}")
     return build(tier, device)

@@ -10,6 +10,14 @@
   ``fastspec.Probe`` on every layer's keys and FFN activations
   (:func:`~fastspec.bench.models.train_step_case`, layer fitting included); reported as overhead
   in % of the step. Accuracy: |Δloss| with the probe attached (hooks must not change the numbers).
+* ``train_step_compiled``: the same step, probe defaults (``emit_every=100``), both sides through
+  ``torch.compile(model, fullgraph=True)``: inductor on CUDA, ``aot_eager`` on CPU (named in the
+  variant). The probed side is the model compiled with the probe attached, the baseline a twin
+  sharing its weights, compiled without hooks; compilation is warm-up, outside the timed rounds.
+  Rows as ``train_step`` (overhead %, |Δloss|: probed vs baseline compiled loss) plus what the
+  compilation cost and whether it held (graphs per side, recompiles, graph breaks); see
+  :mod:`fastspec.bench.models`. One case only: emission is the same eager code as in
+  ``train_step``, only the captures move into the graph.
 
 Shapes: the tier's :data:`~fastspec.bench.models.MODEL_SHAPES` entry (``gpu``: the 1.5B shape in
 bf16) with :data:`KEYRANK_TOKENS` / :data:`TRAIN_TOKENS` tokens.
@@ -66,3 +74,10 @@ def train_step_cases(tier: str, device: torch.device) -> list[Case]:
     return [models.train_step_case(tier, device, emit_every, shape=models.MODEL_SHAPES[tier],
                                    batch_shape=TRAIN_TOKENS[tier])
             for emit_every in (100, 1)]
+
+
+def train_step_compiled_cases(tier: str, device: torch.device) -> list[Case]:
+    """The ``train_step`` case (probe defaults) with both sides compiled."""
+    return [models.train_step_case(tier, device, 100, shape=models.MODEL_SHAPES[tier],
+                                   batch_shape=TRAIN_TOKENS[tier], suite="train_step_compiled",
+                                   compiled=True)]

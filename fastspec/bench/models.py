@@ -22,9 +22,26 @@ all keyed on it): ``size`` stays the requested shape (``L32-...``); every measur
 numeric extras ``layers`` (what ran) and ``layers_requested``; a reduced case also gets a note
 row ``{"baseline": "32 layers", "skipped": "reduced to 16 layers: <why>"}``. Fewer layers lower
 ``overhead_pct`` slightly (the embedding and LM head are a fixed share of the step).
+
+Compiled (``train_step_case(..., compiled=True)``, the ``train_step_compiled`` suite): the same
+step through ``torch.compile(model, fullgraph=True)``, :func:`compile_backend` (inductor on CUDA,
+``aot_eager`` elsewhere: it traces forward and backward the same way but generates no code, so a
+CPU run needs no C++ compiler). Each side has its own compiled module: the probed one is the
+model with the probe attached before compiling (attached for the whole case: detaching would
+change the hooks its graph was traced with), the baseline a twin (:func:`shared_twin`) sharing
+the model's parameters but not its hooks, so one set of weights and one AdamW train both sides,
+as in the eager case. Compilation happens in the trial's warm-up (two steps per side, untimed),
+never in a timed round; ``check()`` adds what it cost (``probed_compile_s``,
+``baseline_compile_s``: first step − second step), the dynamo graphs each side compiled
+(``probed_graphs``, ``baseline_graphs``: 1 each expected), ``recompiles`` after the first step
+of each side (0 expected: the probe's schedule is data on the device) and ``graph_breaks``
+(``fullgraph=True`` raises on a break, so a measured row has 0).
 """
 from __future__ import annotations
 
+import contextlib
+import copy
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +85,44 @@ def requirements() -> str | None:
     if not hasattr(fastspec, "Probe"):
         return "fastspec.Probe is not available in this version"
     return None
+
+
+def compile_backend(device: torch.device) -> str:
+    """``torch.compile`` backend of the compiled training step: inductor (the default) on CUDA;
+    ``aot_eager`` elsewhere (dynamo and AOT autograd trace the same graphs, without inductor's
+    C++ compile on CPU, so CI stays cheap)."""
+    return "inductor" if device.type == "cuda" else "aot_eager"
+
+
+def compile_requirements(device: torch.device) -> str | None:
+    """Why the compiled training step cannot run here (None: it can)."""
+    import importlib.util
+
+    if not hasattr(torch, "compile"):
+        return "torch.compile is not available in this torch"
+    if compile_backend(device) == "inductor" and importlib.util.find_spec("triton") is None:
+        return "torch.compile's inductor backend needs triton on CUDA"
+    return None
+
+
+def shared_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` that shares its parameters and buffers (the same tensors, so one
+    optimizer trains both) but none of the hooks registered on ``model`` after this call."""
+    return copy.deepcopy(model, memo={id(t): t for t in (*model.parameters(), *model.buffers())})
+
+
+def _dynamo_counts() -> tuple[int, int]:
+    """(graphs dynamo compiled, graph breaks) so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+def _reset_dynamo() -> None:
+    """Drop every compiled graph of this process (a case compiles, and counts, its own)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
 
 
 def model_dtype(tier: str) -> torch.dtype:
@@ -249,12 +304,16 @@ def fit_layers(requested: int, build: Callable[[int], Inputs], trial: Callable[[
 
 def train_step_case(tier: str, device: torch.device, emit_every: int, *, shape: dict[str, int],
                     batch_shape: tuple[int, int], keys: bool = True, ffn: bool = True,
-                    suite: str = "train_step", size_prefix: str = "", variant: str | None = None) -> Case:
+                    suite: str = "train_step", size_prefix: str = "", variant: str | None = None,
+                    compiled: bool = False) -> Case:
     """A training step (forward, backward, AdamW) on a ``shape`` model and ``batch_shape``
     tokens, with vs without a streaming ``Probe(model, keys=keys, ffn=ffn,
     emit_every=emit_every)``, layers fitted as in the module docstring. The defaults name the
-    ``train_step`` suite's case (keys + FFN); the ``probe`` suite passes its own sites and names."""
-    skip = requirements()
+    ``train_step`` suite's case (keys + FFN); the ``probe`` suite passes its own sites and names.
+    ``compiled``: both sides through ``torch.compile(fullgraph=True)`` (module docstring); the
+    default variant then names the backend (``aot_eager-emit_every=100``)."""
+    skip = requirements() or (compile_requirements(device) if compiled else None)
+    backend = compile_backend(device) if compiled else None
     requested = shape["num_hidden_layers"]
     # Filled by setup() with the layer-fit note: the runner reads ``notes`` after setup and
     # timing, while ``size`` (and so the requested depth) is fixed before setup.
@@ -263,53 +322,101 @@ def train_step_case(tier: str, device: torch.device, emit_every: int, *, shape: 
     def build(layers: int) -> Inputs:
         import fastspec
 
+        if compiled:
+            _reset_dynamo()
         model = build_llama(tier, device, layers, shape=shape).train()
-        return {"model": model, "ids": tokens(batch_shape, shape["vocab_size"], device),
-                "opt": torch.optim.AdamW(model.parameters(), lr=1e-5),
-                "probe": fastspec.Probe(model, keys=keys, ffn=ffn, emit_every=emit_every), "step": [0]}
+        inp = {"model": model, "ids": tokens(batch_shape, shape["vocab_size"], device),
+               "opt": torch.optim.AdamW(model.parameters(), lr=1e-5), "step": [0]}
+        if not compiled:
+            probe = fastspec.Probe(model, keys=keys, ffn=ffn, emit_every=emit_every)
+            return {**inp, "probe": probe, "probed_model": model, "plain_model": model}
+        twin = shared_twin(model)  # before the probe exists: no hooks of its own
+        probe = fastspec.Probe(model, keys=keys, ffn=ffn, emit_every=emit_every).attach()
+        return {**inp, "probe": probe,
+                "probed_model": torch.compile(model, fullgraph=True, backend=backend),
+                "plain_model": torch.compile(twin, fullgraph=True, backend=backend)}
 
-    def plain(inp: Inputs) -> None:
-        loss = inp["model"](input_ids=inp["ids"], labels=inp["ids"]).loss
+    def train(model, inp: Inputs) -> None:
+        loss = model(input_ids=inp["ids"], labels=inp["ids"]).loss
         loss.backward()
         inp["opt"].step()
         inp["opt"].zero_grad(set_to_none=True)
 
+    def plain(inp: Inputs) -> None:
+        train(inp["plain_model"], inp)
+
     def probed(inp: Inputs) -> None:
-        plain(inp)
+        train(inp["probed_model"], inp)
         inp["probe"].step(inp["step"][0])
         inp["step"][0] += 1
 
     def streaming(inp: Inputs):
-        return inp["probe"].streaming()
+        # compiled: attached since build(), before compiling (see the module docstring)
+        return contextlib.nullcontext() if compiled else inp["probe"].streaming()
+
+    def compile_warmup(inp: Inputs) -> dict[str, float]:
+        """Two untimed steps per side, probed first: the first compiles, the second must not."""
+        stats: dict[str, float] = {}
+        graphs0, breaks0 = _dynamo_counts()
+        for name, fn in (("probed", probed), ("baseline", plain)):
+            before = _dynamo_counts()[0]
+            first = time_once(lambda fn=fn: fn(inp), device)
+            stats[f"{name}_graphs"] = _dynamo_counts()[0] - before
+            stats[f"{name}_compile_s"] = first - time_once(lambda fn=fn: fn(inp), device)
+        graphs, breaks = _dynamo_counts()
+        stats["recompiles"] = graphs - graphs0 - stats["probed_graphs"] - stats["baseline_graphs"]
+        stats["graph_breaks"] = breaks - breaks0
+        # compiling leaves ~10^5 new Python objects: collect them now, not in a timed round
+        gc.collect()
+        return stats
 
     def trial(inp: Inputs) -> float:
         """One timed round as the runner runs it: probed step (hooks on), then the plain one.
         A first probed step comes before, untimed: it allocates AdamW's moments (so the second
         step reaches the steady-state memory peak) and pays one-time costs (kernel loading,
-        autotuning) that would otherwise inflate the estimate."""
-        with streaming(inp):
-            probed(inp)
+        autotuning; compiled: the compilation of both sides) that would otherwise inflate the
+        estimate."""
+        if compiled:
+            inp["compile"] = compile_warmup(inp)
+        else:
+            with streaming(inp):
+                probed(inp)
         with streaming(inp):
             t = time_once(lambda: probed(inp), device)
         return t + time_once(lambda: plain(inp), device)
 
+    def free() -> None:
+        if compiled:
+            _reset_dynamo()  # compiled graphs of a failed depth must not keep its memory
+        free_memory(device)
+
     def setup() -> Inputs:
         notes.clear()
-        inputs, fit = fit_layers(requested, build, trial, free=lambda: free_memory(device))
+        inputs, fit = fit_layers(requested, build, trial, free=free)
         notes.update(fit.notes())
         return {**inputs, "fit": fit}
 
     def check(inp: Inputs) -> dict:
-        model, ids = inp["model"], inp["ids"]
-        with torch.no_grad():
-            base = model(input_ids=ids, labels=ids).loss
-            with inp["probe"].streaming():
-                probed_loss = model(input_ids=ids, labels=ids).loss
+        ids = inp["ids"]
+        if compiled:  # grad mode on, as in training: the graphs compiled in the warm-up
+            before = _dynamo_counts()[0]
+            base = inp["plain_model"](input_ids=ids, labels=ids).loss.detach()
+            probed_loss = inp["probed_model"](input_ids=ids, labels=ids).loss.detach()
+            stats = dict(inp["compile"])
+            stats["recompiles"] += _dynamo_counts()[0] - before
+        else:
+            model, stats = inp["model"], {}
+            with torch.no_grad():
+                base = model(input_ids=ids, labels=ids).loss
+                with inp["probe"].streaming():
+                    probed_loss = model(input_ids=ids, labels=ids).loss
         return {"fastspec_error": float((probed_loss.double() - base.double()).abs()),
-                "baseline_error": None, **inp["fit"].extras()}
+                "baseline_error": None, **inp["fit"].extras(), **stats}
 
-    return Case(suite=suite, size=size_prefix + size_id(tier, shape, batch_shape),
-                variant=f"emit_every={emit_every}" if variant is None else variant,
-                setup=setup, fastspec=probed, baselines={"training step without probe": plain},
+    if variant is None:
+        variant = f"{backend}-emit_every={emit_every}" if compiled else f"emit_every={emit_every}"
+    baseline = "compiled training step without probe" if compiled else "training step without probe"
+    return Case(suite=suite, size=size_prefix + size_id(tier, shape, batch_shape), variant=variant,
+                setup=setup, fastspec=probed, baselines={baseline: plain},
                 check=check, error_kind="|Δloss| with probe", skip=skip, notes=notes,
                 fastspec_context=streaming, overhead=True)

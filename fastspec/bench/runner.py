@@ -5,8 +5,8 @@ median seconds per call; ``speedup = baseline_s / fastspec_s``; ``rate_unit``,
 ``fastspec_rate``/``baseline_rate`` the throughput (GB/s, µs/matrix); ``error_kind``,
 ``fastspec_error``/``baseline_error`` the accuracy side (plus case-specific fields such as
 ``pr_diff_vs_baseline``); ``overhead_pct`` for cases that time a probe on top of their baseline
-(``Case.overhead``: ``train_step``, the ``probe`` suite's measure and train-step cases);
-``torch_threads`` in the document.
+(``Case.overhead``: ``train_step``, ``train_step_compiled``, the ``probe`` suite's measure and
+train-step cases); ``torch_threads`` in the document.
 A case that cannot run here gives one row with ``skipped`` (the reason); one that raised gives
 ``error`` (the exception) so one broken case does not hide the others. A baseline timed on a
 slice of the input (see ``Case.baseline_scale``) has its time scaled to the full input and
