@@ -90,6 +90,17 @@ def _variant(out: dict, name: str, fn) -> None:
         out[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
 
 
+def _finish(rank: int, tmpdir: str, variants: dict) -> None:
+    """Run every variant (its records or its traceback), save them for the parent, leave the group."""
+    out: dict = {}
+    try:
+        for name, fn in variants.items():
+            _variant(out, name, fn)
+        torch.save(out, os.path.join(tmpdir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
 def _init(rank: int, tmpdir: str) -> None:
     torch.set_num_threads(1)  # two ranks share the CI machine's cores
     # a variant that fails on one rank only must not leave the other waiting for long
@@ -161,13 +172,7 @@ def _fsdp_worker(rank: int, tmpdir: str) -> None:
             return {"unsupported": str(e).splitlines()[0]}
         return stream(model, torch.compile(model, **COMPILE), backward=False)
 
-    out: dict = {}
-    try:
-        for name, fn in (("eager", eager), ("compiled_blocks", compiled_blocks), ("compiled_whole", compiled_whole)):
-            _variant(out, name, fn)
-        torch.save(out, os.path.join(tmpdir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    _finish(rank, tmpdir, {"eager": eager, "compiled_blocks": compiled_blocks, "compiled_whole": compiled_whole})
 
 
 @pytest.fixture(scope="module")
@@ -264,13 +269,7 @@ def _tp_worker(rank: int, tmpdir: str) -> None:
         model = parallel()
         return stream(model, torch.compile(model, **COMPILE), backward=False)
 
-    out: dict = {}
-    try:
-        _variant(out, "eager", eager)
-        _variant(out, "compiled", compiled)
-        torch.save(out, os.path.join(tmpdir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    _finish(rank, tmpdir, {"eager": eager, "compiled": compiled})
 
 
 @pytest.fixture(scope="module")
