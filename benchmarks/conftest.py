@@ -76,20 +76,32 @@ def pytest_generate_tests(metafunc):
     metafunc.parametrize("case, side", params(suite))
 
 
-_last: dict[int, Inputs] = {}
+_last: dict[int, tuple[Case, Inputs]] = {}
 
 
 def _inputs(case: Case) -> Inputs:
     """One setup per case: its sides are consecutive parameters, so keep only the last case's.
 
-    The previous case's inputs are freed first, as ``fastspec bench`` does between cases (a
-    Probe holds its model through reference cycles: without a collection two 1.5B training
-    setups would share the GPU)."""
+    The previous case's inputs are closed (``Case.teardown``) and freed first, as ``fastspec
+    bench`` does between cases (a Probe holds its model through reference cycles: without a
+    collection two 1.5B training setups would share the GPU)."""
     if id(case) not in _last:
-        _last.clear()
+        _close_last()
         free_memory(default_device())
-        _last[id(case)] = case.setup()
-    return _last[id(case)]
+        _last[id(case)] = (case, case.setup())
+    return _last[id(case)][1]
+
+
+def _close_last() -> None:
+    for case, inputs in _last.values():
+        case.close(inputs)
+    _last.clear()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_the_last_case():
+    yield
+    _close_last()
 
 
 def assert_accuracy(case: Case, errors: dict) -> None:

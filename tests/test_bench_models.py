@@ -224,6 +224,11 @@ def test_quick_compiled_train_step_runs_end_to_end_with_the_compile_fields():
     assert math.isclose(r["overhead_pct"], (r["fastspec_s"] / r["baseline_s"] - 1) * 100)
     assert (r["probed_graphs"], r["baseline_graphs"], r["recompiles"], r["graph_breaks"]) == (1, 1, 0, 0)
     assert r["probed_compile_s"] > 0 and r["baseline_compile_s"] > 0
+    # the probe stayed attached for the compiled case; the case's teardown detached it: no
+    # hook and no process-wide attention wrapper outlives it
+    from fastspec.probe import hf_attention
+
+    assert not hf_attention._CALLBACKS and not hf_attention._PATCHES
 
 
 class Built(list):

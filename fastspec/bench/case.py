@@ -50,6 +50,8 @@ class Case:
             records the factor.
         overhead: the fastspec side is its baseline plus a probe: each row also gets
             ``overhead_pct = (fastspec_s / baseline_s − 1)·100``.
+        teardown: called with the inputs once the case is done (e.g. detach a probe that
+            stayed attached for a compiled model), or None.
     """
 
     suite: str
@@ -67,6 +69,12 @@ class Case:
     notes: dict[str, str] = field(default_factory=dict)
     baseline_scale: dict[str, float] = field(default_factory=dict)
     overhead: bool = False
+    teardown: Callable[[Inputs], None] | None = None
+
+    def close(self, inputs: Inputs | None) -> None:
+        """Run :attr:`teardown` on ``inputs`` (nothing without either)."""
+        if inputs is not None and self.teardown is not None:
+            self.teardown(inputs)
 
     @property
     def id(self) -> str:

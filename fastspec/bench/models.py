@@ -332,6 +332,7 @@ def train_step_case(tier: str, device: torch.device, emit_every: int, *, shape: 
             return {**inp, "probe": probe, "probed_model": model, "plain_model": model}
         twin = shared_twin(model)  # before the probe exists: no hooks of its own
         probe = fastspec.Probe(model, keys=keys, ffn=ffn, emit_every=emit_every).attach()
+        attached.append(probe)  # detached by free() (a failed depth) or teardown()
         return {**inp, "probe": probe,
                 "probed_model": torch.compile(model, fullgraph=True, backend=backend),
                 "plain_model": torch.compile(twin, fullgraph=True, backend=backend)}
@@ -385,8 +386,16 @@ def train_step_case(tier: str, device: torch.device, emit_every: int, *, shape: 
             t = time_once(lambda: probed(inp), device)
         return t + time_once(lambda: plain(inp), device)
 
+    attached: list = []  # compiled: probes attached in build(), for the whole case
+
+    def detach_all() -> None:
+        # the hooks and the process-wide attention wrapper must not outlive the case
+        while attached:
+            attached.pop().detach()
+
     def free() -> None:
         if compiled:
+            detach_all()
             _reset_dynamo()  # compiled graphs of a failed depth must not keep its memory
         free_memory(device)
 
@@ -419,4 +428,5 @@ def train_step_case(tier: str, device: torch.device, emit_every: int, *, shape: 
     return Case(suite=suite, size=size_prefix + size_id(tier, shape, batch_shape), variant=variant,
                 setup=setup, fastspec=probed, baselines={baseline: plain},
                 check=check, error_kind="|Δloss| with probe", skip=skip, notes=notes,
-                fastspec_context=streaming, overhead=True)
+                fastspec_context=streaming, overhead=True,
+                teardown=(lambda inp: detach_all()) if compiled else None)

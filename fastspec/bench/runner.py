@@ -89,6 +89,10 @@ def run_case(case: Case, device: torch.device, *, warmup: int = 2, repeats: int 
     except Exception as e:  # noqa: BLE001 - reported per case; the CLI exits non-zero
         rows.append({**head, "error": f"{type(e).__name__}: {e}"})
     finally:
+        try:
+            case.close(inputs)
+        except Exception as e:  # noqa: BLE001
+            rows.append({**head, "error": f"teardown: {type(e).__name__}: {e}"})
         inputs = None
         free_memory(device)
     return rows
