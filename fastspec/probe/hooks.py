@@ -114,9 +114,12 @@ class ForwardScope:
             mask = kwargs.get("attention_mask")
             if mask is None and self._mask_pos is not None and len(args) > self._mask_pos:
                 mask = args[self._mask_pos]
-            # kept as given and converted where a capture uses it: no tensor work here, so a
-            # compiled model's top-level hooks add no graph of their own
-            self.mask = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
+            if torch.compiler.is_compiling():
+                # kept as given, converted where a capture uses it (mask_for): no tensor work
+                # here, so a compiled model's top-level hooks add no graph of their own
+                self.mask = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
+            else:  # eager: converted once per forward, not once per capture
+                self.mask = as_bool_mask(mask)
 
     def end(self, module, args, output) -> None:
         """Forward hook (``always_call=True``) of the model."""
