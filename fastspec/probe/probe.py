@@ -19,6 +19,9 @@ outputs and gradients are bitwise the same with and without the probe.
 
 Schedules: :meth:`Probe.measure` (eval protocol) and streaming (:meth:`Probe.attach`,
 :meth:`Probe.step`), see their docstrings.
+Streaming works inside ``torch.compile`` (``fullgraph=True`` included, no graph break, no
+recompile as the schedule changes): each capture is one custom op (``routing.py``,
+docs/compile.md).
 
 :class:`Probe` is a facade over one module per job:
 

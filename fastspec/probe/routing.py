@@ -209,7 +209,7 @@ class Router:
 
     def _capture_in_graph(self, slot: Slot, x: Tensor, *, headed: bool, convention: str, head_offset: int,
                           stream_row_step: int | None) -> None:
-        """The traced capture: one custom op on the streaming state, gated on the device."""
+        """The traced capture: one custom op on the streaming state, gated by the schedule tensor."""
         # guards, constant for a training run: measure() runs the eager module, not a graph
         if not self.scope.active or not self.streaming or self._measurement is not None:
             return
