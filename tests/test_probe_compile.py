@@ -84,6 +84,22 @@ def test_fullgraph_records_equal_eager(name):
     assert {k[0] for k in got} == {2, 5, 8}
 
 
+def test_varying_sequence_lengths_go_dynamic_once_and_equal_eager():
+    """Batches of 8, 12, 16, 10 tokens: dynamo recompiles once with dynamic shapes (torch's
+    own behaviour, probe or not), the capture ops take symbolic row counts, and the records
+    are the eager ones."""
+    from torch._dynamo.utils import counters
+
+    model = build("llama")
+    inputs = [batch(T=T, seed=T, pad="right") for T in (8, 12, 16, 10)]
+    want = _stream(model, model, _probe(model, "llama", emit_every=2), inputs, steps=8)
+    counters.clear()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    got = _stream(model, compiled, _probe(model, "llama", emit_every=2), inputs, steps=8)
+    _assert_same(got, want)
+    assert counters["stats"]["unique_graphs"] == 2
+
+
 def test_attach_after_compile_recompiles_once_then_captures():
     model = build("llama")
     inputs = [batch(seed=s) for s in range(2)]
