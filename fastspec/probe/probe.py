@@ -117,7 +117,9 @@ class Probe:
             the probe (e.g. ``0.01``). Capture *and* emission work are timed and both count:
             the capture interval and, when emission alone is too expensive, the emission
             interval widen to stay under it (``budget.py``). ``None``: no adaptation (the
-            overhead is still measured and reported).
+            overhead is still measured and reported). Captures inside a compiled graph cannot
+            be timed one by one: their cost is the step time of captured steps over that of
+            idle ones (docs/compile.md).
         ffn_rows: streaming token sampling of the FFN sites, on top of ``row_step``:
             ``"auto"`` (default) keeps every k-th token with k chosen once from a FLOP model
             (full-rate FFN Grams cost ``2·N·Σd_ff²`` against ``6·N·P`` for a training step) so
@@ -308,8 +310,9 @@ class Probe:
           ``torch.distributed``) and resets them (``reset=True``) or keeps running totals; with
           a ``budget``, an emission too expensive for it skips some of these steps (the effective
           interval, a multiple of ``emit_every``, is ``overhead()["emit_every"]``);
-        * times the probe's work (captures and emission) against the step time and, with
-          ``budget``, chooses the capture and emission intervals (``budget.py``);
+        * times the probe's work (captures and emission; captures in a compiled graph by
+          comparing captured and idle step times) against the step time and, with ``budget``,
+          chooses the capture and emission intervals (``budget.py``);
         * decides whether the next step's forwards are captured (one step in ``every``).
 
         Under ``torch.distributed`` (``sync`` not ``"none"``) emission is a collective: every rank
