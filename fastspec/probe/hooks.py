@@ -156,7 +156,6 @@ class Hooks:
                  slot: MakeSlot, scope: ForwardScope):
         self.model, self.plan, self.family, self.scope = model, plan, family, scope
         self._capture, self._slot = capture, slot
-        self._start, self._end = scope.start, scope.end
         self._handles: list | None = None
 
     @property
@@ -186,8 +185,8 @@ class Hooks:
     # ---------------------------------------------------------------- per site
     def _install_into(self, handles: list) -> None:
         model, plan = self.model, self.plan
-        handles.append(model.register_forward_pre_hook(self._start, with_kwargs=True))
-        handles.append(model.register_forward_hook(self._end, always_call=True))
+        handles.append(model.register_forward_pre_hook(self.scope.start, with_kwargs=True))
+        handles.append(model.register_forward_hook(self.scope.end, always_call=True))
         if plan.keys or plan.queries:
             handles.append(self._watch_attention())
         if plan.ffn:

@@ -282,8 +282,8 @@ class Probe:
 
         Before or after ``torch.compile``: a compiled model traces the hooks with the rest of its
         forward (``fullgraph=True`` works; a model already compiled recompiles once, because its
-        hooks changed), and each capture is one custom op in the graph. The schedule is data on
-        the device, so steps that capture and steps that do not run the same graph.
+        hooks changed), and each capture is one custom op in the graph. The schedule is a tensor
+        the ops read, so steps that capture and steps that do not run the same graph.
         """
         self._hooks.install()
         self._router.streaming = True

@@ -47,7 +47,7 @@ from torch import Tensor
 from .._trace import assume_constant_result
 from .budget import WorkTimer
 from .hooks import ForwardScope
-from .sites import Collector
+from .sites import Collector, site_dim
 
 
 class Slot:
@@ -215,7 +215,6 @@ class Router:
             return
         if x.numel() == 0:
             return
-        dim = tuple(x.shape[-2:]) if headed else (x.shape[-1],)
-        _ensure_slot(slot.key, dim, x.device, convention, headed, head_offset)
+        _ensure_slot(slot.key, site_dim(x, headed), x.device, convention, headed, head_offset)
         row_step = stream_row_step if stream_row_step is not None else self.row_step
         slot.acc.cov.update(x.detach(), self.scope.mask_for(x), row_step=row_step, gate=slot.gate)

@@ -75,6 +75,11 @@ class SiteCovariance:
 SiteKey = tuple[str, "int | None"]
 
 
+def site_dim(x: Tensor, headed: bool) -> tuple[int, ...]:
+    """The accumulator shape of one site's rows ``x``: ``(H, D)`` (headed) or ``(D,)``."""
+    return tuple(x.shape[-2:]) if headed else (x.shape[-1],)
+
+
 class Collector:
     """The :class:`SiteCovariance` of every (site, layer) one schedule writes into: the running
     streaming totals, or the tokens of one eval measurement.
@@ -106,8 +111,7 @@ class Collector:
     def update(self, site: str, layer: int | None, x: Tensor, mask: Tensor | None, *,
                headed: bool, convention: str, head_offset: int = 0, row_step: int = 1) -> None:
         """Merge rows ``x: [*rows, H, D]`` (headed) or ``[*rows, D]``; ``mask: [*rows]`` or None."""
-        dim = tuple(x.shape[-2:]) if headed else (x.shape[-1],)
-        acc = self.ensure(site, layer, dim, convention, headed, head_offset)
+        acc = self.ensure(site, layer, site_dim(x, headed), convention, headed, head_offset)
         if x.numel() == 0:  # e.g. a batch with no tokens: nothing to merge
             return
         acc.cov.update(x, mask, row_step=row_step)
