@@ -124,7 +124,8 @@ def _extensions() -> list[Extension]:
         include_dirs=[pybind11.get_include(), str(CSRC)],
         depends=[str(p) for p in sorted(CSRC.glob("*.h"))] + [str(CSRC / "eig_cuda.cu")],
         define_macros=[("FASTSPEC_WITH_CUDA", "1")] if nvcc else [],
-        extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden"],
+        extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden", "-pthread"],
+        extra_link_args=["-pthread"],  # std::thread in the test-only team emulation (eig_host.cpp)
         language="c++",
     )
     ext.fastspec_nvcc = nvcc

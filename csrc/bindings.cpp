@@ -53,6 +53,12 @@ PYBIND11_MODULE(_eig_ext, m) {
       "solver on host memory; strides in elements; out rows contiguous.";
   m.def("host_eigvalsh_f32", &host_entry<float, fastspec::host_eigvalsh_f32>, host_doc);
   m.def("host_eigvalsh_f64", &host_entry<double, fastspec::host_eigvalsh_f64>, host_doc);
+  const char* team_doc =
+      "(in_ptr, out_ptr, batch, n, stride_batch, stride_row, stride_col, out_stride_batch): tests only; the CUDA "
+      "kernel's parallel algorithm run by host threads (one per column, the kernel's barriers, reduction order and "
+      "shared-memory layout). Slow.";
+  m.def("team_eigvalsh_f32", &host_entry<float, fastspec::team_eigvalsh_f32>, team_doc);
+  m.def("team_eigvalsh_f64", &host_entry<double, fastspec::team_eigvalsh_f64>, team_doc);
 #ifdef FASTSPEC_WITH_CUDA
   m.attr("has_cuda") = true;
   m.attr("max_n_cuda") = kMaxNCuda;

@@ -15,11 +15,18 @@
 //   2. scale by 2^-e (exact) so max |a_ij| is in [0.5, 1): no overflow/underflow for inputs
 //      anywhere in the floating range (1e+-30 in fp32 included); results are scaled back by 2^e.
 //   3. Householder tridiagonalization (unblocked, LAPACK xSYTD2-style reflectors, full-storage
-//      symmetric rank-2 updates): A = Q T Q^T.  ~2 n^3 flops (4.2 MFLOP at n = 128).
-//   4. eigenvalues of T by Sturm-count bisection, one eigenvalue per team member (xSTEBZ-style
-//      pivmin guard against zero pivots; Gerschgorin start interval; absolute tolerance
-//      eps * ||T||, iteration count hard-capped, so it always terminates).  ~n^2 * 26 * 4 ops.
-//   5. ascending order enforced (insertion sort of an almost-sorted list), scale back.
+//      symmetric rank-2 updates): A = Q T Q^T.  ~2 n^3 flops (4.2 MFLOP at n = 128). The rank-2
+//      update of reflector k and the product p = tau A u of reflector k+1 are ONE pass over the
+//      trailing matrix (each updated element is multiplied by u_{k+1} while still in registers):
+//      ~2.75 shared-memory accesses per element and reflector instead of ~3.75 for two passes.
+//   4. eigenvalues of T by Sturm-count bisection (xSTEBZ-style pivmin guard against zero pivots):
+//      one team-wide pass counts at 128 grid points of the Gerschgorin interval, which brackets
+//      every eigenvalue in 1/128 of it (7 halvings for the price of one count per member); then
+//      one eigenvalue per member is bisected to an absolute width of eps * ||T||. fp32: ~20 Sturm
+//      sweeps per eigenvalue instead of ~26. Iteration count hard-capped: it always terminates.
+//      (Multisection, several counts per sweep, was tried: with 12 warps per SM the sweeps are
+//      issue bound, and 1.5 counts per halving issue more instructions than bisection's 1.)
+//   5. ascending order enforced by a parallel rank sort (rounding may swap neighbours), scale back.
 // Error: backward stable, |lambda - lambda_exact| <= c(n) * eps * ||A||_2, like LAPACK xSYEVD.
 #pragma once
 
@@ -29,8 +36,10 @@
 
 #if defined(__CUDACC__)
 #define FS_HD __host__ __device__ __forceinline__
+#define FS_PRAGMA(x) _Pragma(#x)  // loop pragmas for nvcc only (the host compiler's vectorizer decides)
 #else
 #define FS_HD inline
+#define FS_PRAGMA(x)
 #endif
 
 namespace fastspec {
@@ -41,23 +50,51 @@ template <> struct Num<float> {
   static FS_HD float eps() { return FLT_EPSILON * 0.5f; }  // unit round-off
   static FS_HD float tiny() { return FLT_MIN; }
   static FS_HD float huge() { return FLT_MAX; }
+  static constexpr int kMinExp = FLT_MIN_EXP - 1, kMaxExp = FLT_MAX_EXP - 1;  // normal powers of two
   static FS_HD float sqrt_(float x) { return sqrtf(x); }
+  static FS_HD float fma_(float x, float y, float z) { return fmaf(x, y, z); }
   static FS_HD float abs_(float x) { return fabsf(x); }
   static FS_HD float copysign_(float m, float s) { return copysignf(m, s); }
   static FS_HD float ldexp_(float x, int e) { return ldexpf(x, e); }
   static FS_HD float frexp_(float x, int* e) { return frexpf(x, e); }
   static FS_HD float nan_() { return NAN; }
+  // The Sturm recurrence's division. Device: one MUFU reciprocal (rcp.approx.ftz, <= 1 ulp) and a
+  // multiply, no IEEE slow path and no denormal fix-up (the pivmin guard keeps |den| >= FLT_MIN;
+  // a quotient flushed to 0 for |den| > 2^126 is what the exact one rounds to at this scale).
+  // Host: reciprocal then multiply, two roundings as well, so CPU CI sees an inexact division in
+  // the recurrence too. Either is backward stable for the count (a few ulps per step).
+  static FS_HD float sturm_div(float num, float den) {
+#if defined(__CUDA_ARCH__)
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(den));
+    return num * r;
+#else
+    return num * (1.0f / den);
+#endif
+  }
+  // 1 if q < 0, for q neither zero nor NaN (the Sturm pivots): the sign bit, one LEA.HI with the add
+  static FS_HD int negative(float q) {
+#if defined(__CUDA_ARCH__)
+    return static_cast<int>(__float_as_uint(q) >> 31);
+#else
+    return q < 0;
+#endif
+  }
 };
 template <> struct Num<double> {
   static FS_HD double eps() { return DBL_EPSILON * 0.5; }
   static FS_HD double tiny() { return DBL_MIN; }
   static FS_HD double huge() { return DBL_MAX; }
+  static constexpr int kMinExp = DBL_MIN_EXP - 1, kMaxExp = DBL_MAX_EXP - 1;
   static FS_HD double sqrt_(double x) { return sqrt(x); }
+  static FS_HD double fma_(double x, double y, double z) { return fma(x, y, z); }
   static FS_HD double abs_(double x) { return fabs(x); }
   static FS_HD double copysign_(double m, double s) { return copysign(m, s); }
   static FS_HD double ldexp_(double x, int e) { return ldexp(x, e); }
   static FS_HD double frexp_(double x, int* e) { return frexp(x, e); }
   static FS_HD double nan_() { return NAN; }
+  static FS_HD double sturm_div(double num, double den) { return num / den; }  // fp64: off the fast path
+  static FS_HD int negative(double q) { return q < 0; }
 };
 
 // The serial team used by the host twin.
@@ -89,103 +126,206 @@ FS_HD void load4(const double* p, double& x0, double& x1, double& x2, double& x3
 #endif
 }
 
-// Work arrays of one matrix: a[n * n] plus four vectors of n.
+// Work arrays of one matrix: a (n rows of stride rs) plus six vectors of n, each 16-byte aligned.
 template <class Real> struct Work {
-  Real* a;   // full symmetric copy, element (r, c) at a[r * rs + c * cs], dense n x n
-  int rs, cs;  // device: row-major (rs = n, cs = 1): a block's threads walk consecutive columns,
-               // bank-conflict free. host: column-major (rs = 1, cs = n): the inner loops over r
-               // are contiguous and vectorize. Same arithmetic either way, only the layout differs.
-  Real* d;   // diagonal of T
+  Real* a;   // full symmetric copy, element (r, c) at a[r * rs + c * cs]
+  int rs, cs;  // device: row-major, rs = n + 1 (padded: a column's n entries fall in n different
+               // banks, so column reads and the mirrored stores of the load are conflict free;
+               // a block's threads walk consecutive columns of a row). host: column-major
+               // (rs = 1, cs = n): the inner loops over r are contiguous and vectorize.
+  Real* d;   // diagonal of T; at the end the sorted eigenvalues
   Real* e;   // off-diagonal of T (e[i] couples i, i+1)
-  Real* v;   // Householder vector, later e^2; 16-byte aligned (load4)
-  Real* w;   // A v, then w = p - (tau/2)(p.v) v, then the eigenvalues; 16-byte aligned
+  Real* v;   // Householder vector u of the pending reflector; then, with w, the (e^2, d) pairs
+  Real* w;   // its w = p - (tau/2)(p.u) u; must directly follow v
+  Real* v2;  // the next reflector's u; later the eigenvalues
+  Real* p2;  // the next reflector's p = tau A u; later the grid counts of the bisection. Last,
+             // and max(n, kGrid) long (work_vector_elems)
 };
+
+constexpr int kGrid = 128;  // grid cells of the bisection's first, team-wide count pass
+
+// Reals of the six vectors of Work, d..p2, for the host twin (each n long, p2 >= kGrid).
+inline constexpr int64_t work_vector_elems(int64_t n) { return 5 * n + (n > kGrid ? n : kGrid); }
 
 // Step 1: mirror the lower triangle of in (strides sr, sc in elements) into wk.a.
 // Returns max |a_ij| over the lower triangle, +inf if any entry there is NaN/Inf.
+// Rows are walked in step by the whole team (member = column), so a warp reads one row's
+// consecutive columns (coalesced for row-major input); kBatch rows are loaded before the first
+// store, so that many global loads are in flight per thread. No division per element.
 template <class Team, class Real>
 FS_HD Real load_lower(const Team& team, const Real* in, int64_t sr, int64_t sc, int n, Work<Real> wk) {
+  constexpr int kBatch = 8;
   Real local = 0;
-  const int64_t nn = static_cast<int64_t>(n) * n;
-  for (int64_t idx = team.rank(); idx < nn; idx += team.size()) {
-    const int r = static_cast<int>(idx / n), c = static_cast<int>(idx % n);
-    if (c > r) continue;  // the strict upper triangle is never read (torch UPLO='L' semantics)
-    const Real x = in[r * sr + c * sc];
-    wk.a[r * wk.rs + c * wk.cs] = x;
-    wk.a[c * wk.rs + r * wk.cs] = x;
-    const Real ax = Num<Real>::abs_(x);
-    local = (ax <= Num<Real>::huge()) ? (ax > local ? ax : local) : INFINITY;  // NaN fails <=
+  for (int c = team.rank(); c < n; c += team.size()) {
+    // rows below c are the strict upper triangle (never read: torch UPLO='L' semantics); start
+    // at a multiple of 32 so a warp's 32 columns stay on the same row
+    const int rstart = c & ~31;
+    const Real* src = in + static_cast<int64_t>(rstart) * sr + static_cast<int64_t>(c) * sc;
+    for (int r0 = rstart; r0 < n; r0 += kBatch, src += kBatch * sr) {
+      Real x[kBatch];
+FS_PRAGMA(unroll)
+      for (int j = 0; j < kBatch; ++j) {
+        const int r = r0 + j;
+        x[j] = (r >= c && r < n) ? src[j * sr] : Real(0);
+      }
+FS_PRAGMA(unroll)
+      for (int j = 0; j < kBatch; ++j) {
+        const int r = r0 + j;
+        if (r >= c && r < n) {
+          wk.a[r * wk.rs + c * wk.cs] = x[j];
+          wk.a[c * wk.rs + r * wk.cs] = x[j];
+          const Real ax = Num<Real>::abs_(x[j]);
+          local = (ax <= Num<Real>::huge()) ? (ax > local ? ax : local) : INFINITY;  // NaN fails <=
+        }
+      }
+    }
   }
   return team.max(local);
 }
 
-// Step 3: A <- Q^T A Q tridiagonal; writes d[0..n-1], e[0..n-2]. Destroys wk.a.
+// Step 2: a <- a * 2^-ex for the n x n matrix, exactly (a product by a normal power of two is
+// ldexp, rounding included; ldexp itself only for scales outside the normal range).
+template <class Team, class Real>
+FS_HD void scale_matrix(const Team& team, int n, int ex, Work<Real> wk) {
+  if (-ex >= Num<Real>::kMinExp && -ex <= Num<Real>::kMaxExp) {  // uniform
+    const Real f = Num<Real>::ldexp_(Real(1), -ex);
+    for (int c = team.rank(); c < n; c += team.size())
+      for (int r = 0; r < n; ++r) wk.a[r * wk.rs + c * wk.cs] *= f;
+  } else {
+    for (int c = team.rank(); c < n; c += team.size())
+      for (int r = 0; r < n; ++r) wk.a[r * wk.rs + c * wk.cs] = Num<Real>::ldexp_(wk.a[r * wk.rs + c * wk.cs], -ex);
+  }
+}
+
+// Reflector j from column j (its pending update already applied to rows >= j of that column):
+// x = a[j+1:, j]; H = I - tau u u^T with u = [1, x[1:] / (alpha - beta)] maps x to beta e1.
+// Writes d[j], e[j] and u into `u` on rows [j & ~3, n) (zeros below j + 1: exact no-ops in the
+// aligned load4 loops). Returns tau (0: x is already a multiple of e1, u = e1, nothing to do).
+// Precondition: column j's rows >= j are visible to the whole team. Ends without a barrier.
+template <class Team, class Real>
+FS_HD Real make_reflector(const Team& team, int j, int n, Work<Real> wk, Real* u) {
+  const Real* a = wk.a;
+  const int rs = wk.rs, cs = wk.cs, r0 = j + 1;
+  Real local = 0;
+  for (int i = r0 + 1 + team.rank(); i < n; i += team.size()) local += a[i * rs + j * cs] * a[i * rs + j * cs];
+  const Real sigma = team.sum(local);
+  const Real alpha = a[r0 * rs + j * cs];
+  Real beta = alpha, tau = 0, inv = 0;
+  if (sigma > 0) {  // uniform: sigma is the same on every member
+    beta = -Num<Real>::copysign_(Num<Real>::sqrt_(alpha * alpha + sigma), alpha);
+    tau = (beta - alpha) / beta;
+    inv = Real(1) / (alpha - beta);
+  }
+  if (team.rank() == 0) { wk.d[j] = a[j * rs + j * cs]; wk.e[j] = beta; }
+  for (int i = (j & ~3) + team.rank(); i < n; i += team.size())
+    u[i] = i < r0 ? Real(0) : (i == r0 ? Real(1) : a[i * rs + j * cs] * inv);
+  return tau;
+}
+
+// The pending reflector's update of column j alone, rows >= j: a[i][j] -= u_i w_j + w_i u_j.
+// Column j is the next reflector's input, so it goes first, parallel over rows.
+template <class Team, class Real>
+FS_HD void update_column(const Team& team, int j, int n, Work<Real> wk, const Real* u, const Real* w) {
+  const Real uj = u[j], wj = w[j];
+  for (int i = j + team.rank(); i < n; i += team.size()) {
+    Real& x = wk.a[i * wk.rs + j * wk.cs];
+    x = Num<Real>::fma_(-w[i], uj, Num<Real>::fma_(-u[i], wj, x));  // update_trailing's expression
+  }
+}
+
+// One pass over columns c in [c0, n), rows [r4, n) (r4 a multiple of 4; u = w = 0 on rows below
+// the pending reflector's first row): A <- A - u w^T - w u^T (both triangles, so columns stay
+// contiguous) and, with WITH_P, p2[c] = tau2 * sum_r A_new[r][c] u2[r] for the next reflector
+// (u2 = 0 on rows below its first row). One column per member: column access is bank-conflict
+// free on the GPU. Four rows per step, loads first, then the arithmetic, then the stores (the
+// stores may alias the vectors as far as the compiler knows: loads after them would serialize).
+// Four interleaved partial sums for p: four independent FMA chains, and a rounding error bound
+// growing with n/4 terms instead of n.
+template <bool WITH_P, class Team, class Real>
+FS_HD void update_trailing(const Team& team, int c0, int r4, int n, Work<Real> wk, const Real* u, const Real* w,
+                           const Real* u2, Real tau2, Real* p2) {
+  Real* a = wk.a;
+  const int rs = wk.rs, cs = wk.cs;
+  for (int c = c0 + team.rank(); c < n; c += team.size()) {
+    const Real uc = u[c], wc = w[c];
+    Real s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    Real* pa = a + r4 * rs + c * cs;  // walks the column: one pointer step per four rows
+    int r = r4;
+FS_PRAGMA(unroll 2)
+    for (; r + 3 < n; r += 4, pa += 4 * rs) {
+      Real u0, u1, uu2, u3, w0, w1, w2, w3;
+      load4(u + r, u0, u1, uu2, u3);
+      load4(w + r, w0, w1, w2, w3);
+      Real a0 = pa[0], a1 = pa[rs], a2 = pa[2 * rs], a3 = pa[3 * rs];
+      a0 = Num<Real>::fma_(-w0, uc, Num<Real>::fma_(-u0, wc, a0));
+      a1 = Num<Real>::fma_(-w1, uc, Num<Real>::fma_(-u1, wc, a1));
+      a2 = Num<Real>::fma_(-w2, uc, Num<Real>::fma_(-uu2, wc, a2));
+      a3 = Num<Real>::fma_(-w3, uc, Num<Real>::fma_(-u3, wc, a3));
+      if (WITH_P) {
+        Real x0, x1, x2, x3;
+        load4(u2 + r, x0, x1, x2, x3);
+        s0 += a0 * x0;
+        s1 += a1 * x1;
+        s2 += a2 * x2;
+        s3 += a3 * x3;
+      }
+      pa[0] = a0;
+      pa[rs] = a1;
+      pa[2 * rs] = a2;
+      pa[3 * rs] = a3;
+    }
+FS_PRAGMA(unroll 1)
+    for (; r < n; ++r) {  // n % 4 rows (the compiler cannot see that it is < 4: keep it rolled)
+      const Real x = Num<Real>::fma_(-w[r], uc, Num<Real>::fma_(-u[r], wc, a[r * rs + c * cs]));
+      if (WITH_P) s0 += x * u2[r];
+      a[r * rs + c * cs] = x;
+    }
+    if (WITH_P) p2[c] = tau2 * ((s0 + s1) + (s2 + s3));
+  }
+}
+
+// w = p - (tau/2)(p.u) u on [r0, n), in place over p; w = 0 on [r0 & ~3, r0). Ends with a barrier.
+template <class Team, class Real>
+FS_HD void finish_w(const Team& team, int r0, int n, Real tau, const Real* u, Real* p) {
+  Real local = 0;
+  for (int c = r0 + team.rank(); c < n; c += team.size()) local += p[c] * u[c];
+  const Real half_tau_pu = Real(0.5) * tau * team.sum(local);
+  for (int c = (r0 & ~3) + team.rank(); c < n; c += team.size()) p[c] = c < r0 ? Real(0) : p[c] - half_tau_pu * u[c];
+  team.sync();
+}
+
+// Step 3: A <- Q^T A Q tridiagonal; writes d[0..n-1], e[0..n-2]. Destroys wk.a, v, w, v2, p2.
+// Reflector j acts on rows/columns j+1..n-1. Iteration j: finish the pending reflector j-1's w,
+// apply its update to column j, build reflector j from that column, then one fused pass applies
+// reflector j-1's update to columns > j while computing reflector j's p. Reflector -1 is the
+// identity (u = w = 0: its "update" subtracts exact zeros), so the first iteration needs no
+// special code. 5 barriers per reflector.
 template <class Team, class Real>
 FS_HD void tridiagonalize(const Team& team, int n, Work<Real> wk) {
-  Real* a = wk.a;
-  const int rs = wk.rs, cs = wk.cs, me = team.rank(), nt = team.size();
-  for (int k = 0; k + 2 < n; ++k) {
-    const int r0 = k + 1;  // the reflector acts on rows/columns r0..n-1
-    // x = a[r0:, k]; H = I - tau u u^T with u = [1, x[1:] / (alpha - beta)] maps x to beta e1
-    Real local = 0;
-    for (int i = r0 + 1 + me; i < n; i += nt) local += a[i * rs + k * cs] * a[i * rs + k * cs];
-    const Real sigma = team.sum(local);
-    const Real alpha = a[r0 * rs + k * cs];
-    Real beta = alpha, tau = 0, inv = 0;
-    if (sigma > 0) {  // uniform: sigma is the same on every member
-      beta = -Num<Real>::copysign_(Num<Real>::sqrt_(alpha * alpha + sigma), alpha);
-      tau = (beta - alpha) / beta;
-      inv = Real(1) / (alpha - beta);
-    }
-    if (me == 0) { wk.d[k] = a[k * rs + k * cs]; wk.e[k] = beta; }
-    if (tau == 0) { team.sync(); continue; }  // x already a multiple of e1 (or underflowed to 0)
-    // loops over r start at the aligned r4 <= r0 (load4); u = w = 0 on [r4, r0) makes the extra
-    // terms exact no-ops (the stale entries there are finite)
-    const int r4 = r0 & ~3;
-    for (int i = r4 + me; i < n; i += nt) {
-      wk.v[i] = i < r0 ? Real(0) : (i == r0 ? Real(1) : a[i * rs + k * cs] * inv);
-      if (i < r0) wk.w[i] = 0;
-    }
+  Real *u = wk.v, *w = wk.w, *u2 = wk.v2, *p2 = wk.p2;
+  for (int i = team.rank(); i < n; i += team.size()) { u[i] = 0; w[i] = 0; }
+  team.sync();
+  Real tau = 0;
+  for (int j = 0; j + 2 < n; ++j) {
+    if (j > 0) finish_w(team, j, n, tau, u, w);  // reflector j-1's w, rows >= j
+    update_column(team, j, n, wk, u, w);
     team.sync();
-    // p = tau * A22 u, one column per member: column access is bank-conflict free on the GPU.
-    // Four interleaved partial sums: four independent FMA chains (GPU latency) and a rounding
-    // error bound growing with n/4 terms instead of n.
-    for (int c = r0 + me; c < n; c += nt) {
-      Real s0 = 0, s1 = 0, s2 = 0, s3 = 0, v0, v1, v2, v3;
-      int r = r4;
-      for (; r + 3 < n; r += 4) {
-        load4(wk.v + r, v0, v1, v2, v3);
-        s0 += a[r * rs + c * cs] * v0;
-        s1 += a[(r + 1) * rs + c * cs] * v1;
-        s2 += a[(r + 2) * rs + c * cs] * v2;
-        s3 += a[(r + 3) * rs + c * cs] * v3;
-      }
-      for (; r < n; ++r) s0 += a[r * rs + c * cs] * wk.v[r];
-      wk.w[c] = tau * ((s0 + s1) + (s2 + s3));
-    }
-    local = 0;
-    for (int c = r0 + me; c < n; c += nt) local += wk.w[c] * wk.v[c];
-    const Real half_tau_pv = Real(0.5) * tau * team.sum(local);
-    for (int c = r0 + me; c < n; c += nt) wk.w[c] -= half_tau_pv * wk.v[c];
+    const Real tau2 = make_reflector(team, j, n, wk, u2);
     team.sync();
-    // A22 <- A22 - u w^T - w u^T (both triangles, so columns stay contiguous for the next p)
-    for (int c = r0 + me; c < n; c += nt) {
-      const Real vc = wk.v[c], wc = wk.w[c];
-      Real v0, v1, v2, v3, w0, w1, w2, w3;
-      int r = r4;
-      for (; r + 3 < n; r += 4) {
-        load4(wk.v + r, v0, v1, v2, v3);
-        load4(wk.w + r, w0, w1, w2, w3);
-        a[r * rs + c * cs] -= v0 * wc + w0 * vc;
-        a[(r + 1) * rs + c * cs] -= v1 * wc + w1 * vc;
-        a[(r + 2) * rs + c * cs] -= v2 * wc + w2 * vc;
-        a[(r + 3) * rs + c * cs] -= v3 * wc + w3 * vc;
-      }
-      for (; r < n; ++r) a[r * rs + c * cs] -= wk.v[r] * wc + wk.w[r] * vc;
-    }
+    update_trailing<true>(team, j + 1, j & ~3, n, wk, u, w, u2, tau2, p2);
     team.sync();
+    Real* t = u; u = u2; u2 = t;
+    t = w; w = p2; p2 = t;
+    tau = tau2;
   }
-  if (me == 0) {
+  // the last reflector (n-3) still has to reach the trailing 2 x 2 block
+  const int last = n >= 2 ? n - 2 : 0;
+  if (n >= 3) finish_w(team, last, n, tau, u, w);
+  update_trailing<false>(team, last, last & ~3, n, wk, u, w, u2, Real(0), p2);
+  team.sync();
+  if (team.rank() == 0) {
+    const Real* a = wk.a;
+    const int rs = wk.rs, cs = wk.cs;
     if (n >= 2) {
       wk.d[n - 2] = a[(n - 2) * rs + (n - 2) * cs];
       wk.e[n - 2] = a[(n - 1) * rs + (n - 2) * cs];
@@ -195,28 +335,59 @@ FS_HD void tridiagonalize(const Team& team, int n, Work<Real> wk) {
   team.sync();
 }
 
-// Number of eigenvalues of T (diagonal d, squared off-diagonal e2) smaller than x. Zero pivots
-// are replaced by -pivmin (xLAEBZ), which keeps the count monotone in x and finite.
+// Two consecutive entries, 8-byte (fp32) / 16-byte (fp64) aligned on the device: one load.
+FS_HD void load2(const float* p, float& x0, float& x1) {
+#if defined(__CUDA_ARCH__)
+  const float2 q = *reinterpret_cast<const float2*>(p);
+  x0 = q.x; x1 = q.y;
+#else
+  x0 = p[0]; x1 = p[1];
+#endif
+}
+FS_HD void load2(const double* p, double& x0, double& x1) {
+#if defined(__CUDA_ARCH__)
+  const double2 q = *reinterpret_cast<const double2*>(p);
+  x0 = q.x; x1 = q.y;
+#else
+  x0 = p[0]; x1 = p[1];
+#endif
+}
+
+// Number of eigenvalues of T smaller than x. T is given as pairs te[2i] = e_{i-1}^2 (e_{-1} = 0),
+// te[2i+1] = d_i: one (broadcast) load per step. Zero pivots are replaced by -pivmin (xLAEBZ),
+// which keeps the count monotone in x and finite.
 template <class Real>
-FS_HD int sturm_count(const Real* d, const Real* e2, int n, Real x, Real pivmin) {
-  Real q = d[0] - x;
-  if (Num<Real>::abs_(q) <= pivmin) q = -pivmin;
-  int count = q < 0;
+FS_HD int sturm_count(const Real* te, int n, Real x, Real pivmin) {
+  Real q = te[1] - x;
+  q = Num<Real>::abs_(q) <= pivmin ? -pivmin : q;
+  int count = Num<Real>::negative(q);
   for (int i = 1; i < n; ++i) {
-    q = (d[i] - x) - e2[i - 1] / q;
-    if (Num<Real>::abs_(q) <= pivmin) q = -pivmin;
-    count += q < 0;
+    Real e2, d;
+    load2(te + 2 * i, e2, d);
+    q = (d - x) - Num<Real>::sturm_div(e2, q);
+    q = Num<Real>::abs_(q) <= pivmin ? -pivmin : q;  // never 0 or NaN after this
+    count += Num<Real>::negative(q);
   }
   return count;
 }
 
-// Steps 4-5: eigenvalues of T into w[0..n-1], ascending. Needs d, e from tridiagonalize.
+// Grid point g in [0, kGrid] of [lo, hi]; the same expression wherever it is evaluated.
+template <class Real> FS_HD Real grid_point(Real lo, Real hi, int g) {
+  return g == kGrid ? hi : lo + (hi - lo) * (Real(g) * (Real(1) / kGrid));
+}
+
+// Steps 4-5: eigenvalues of T, ascending, into wk.d[0..n-1]. Needs d, e from tridiagonalize.
+// Buffers: (e^2, d) pairs in v..w (2n contiguous), grid counts in p2, eigenvalues in v2.
 template <class Team, class Real>
 FS_HD void bisect_all(const Team& team, int n, Work<Real> wk) {
   const Real eps = Num<Real>::eps();
-  Real* e2 = wk.v;
-  for (int i = team.rank(); i + 1 < n; i += team.size()) e2[i] = wk.e[i] * wk.e[i];
-  team.sync();
+  Real* te = wk.v;
+  Real* counts = wk.p2;  // counts at the interior grid points, as Reals (exact: n < 2^24)
+  Real* lam = wk.v2;
+  for (int i = team.rank(); i < n; i += team.size()) {
+    te[2 * i] = i > 0 ? wk.e[i - 1] * wk.e[i - 1] : Real(0);
+    te[2 * i + 1] = wk.d[i];
+  }
   // Gerschgorin interval and pivmin: O(n) per member, identical everywhere, no barrier needed
   Real lo = wk.d[0], hi = wk.d[0], e2max = 0;
   for (int i = 0; i < n; ++i) {
@@ -224,33 +395,45 @@ FS_HD void bisect_all(const Team& team, int n, Work<Real> wk) {
                         (i + 1 < n ? Num<Real>::abs_(wk.e[i]) : Real(0));
     lo = (wk.d[i] - radius < lo) ? wk.d[i] - radius : lo;
     hi = (wk.d[i] + radius > hi) ? wk.d[i] + radius : hi;
-    if (i + 1 < n && e2[i] > e2max) e2max = e2[i];
+    if (i + 1 < n && wk.e[i] * wk.e[i] > e2max) e2max = wk.e[i] * wk.e[i];
   }
   const Real pivmin = Num<Real>::tiny() * (e2max > 1 ? e2max : Real(1));
   const Real tnorm = Num<Real>::abs_(lo) > Num<Real>::abs_(hi) ? Num<Real>::abs_(lo) : Num<Real>::abs_(hi);
   const Real widen = Real(2.1) * (tnorm * eps * n + 2 * pivmin);  // xSTEBZ's safety margin
   lo -= widen;
   hi += widen;
-  const Real tol = eps * tnorm;  // final interval width: bisection error <= eps/2 * ||T||
+  const Real tol = eps * tnorm;  // final interval width: error <= eps/2 * ||T||
+  team.sync();  // te complete
+  // counts at the grid's interior points, one per member per kGrid / size
+  for (int g = 1 + team.rank(); g < kGrid; g += team.size())
+    counts[g] = Real(sturm_count(te, n, grid_point(lo, hi, g), pivmin));
+  team.sync();
   // 2 + log2((hi - lo) / tol) halvings suffice; the cap only guards against broken arithmetic
   const int max_iter = 2 * (sizeof(Real) * 8 + 16);
   for (int k = team.rank(); k < n; k += team.size()) {  // k-th smallest eigenvalue
-    Real a = lo, b = hi;
+    // bracket from the grid: count(glo) <= k < count(ghi), with count(lo) = 0, count(hi) = n.
+    // Binary search; a count that rounding made non-monotone still leaves a valid bracket.
+    int glo = 0, ghi = kGrid;
+    while (ghi - glo > 1) {
+      const int g = (glo + ghi) >> 1;
+      if (counts[g] > Real(k)) ghi = g; else glo = g;
+    }
+    Real a = grid_point(lo, hi, glo), b = grid_point(lo, hi, ghi);
     for (int it = 0; it < max_iter && b - a > tol; ++it) {
       const Real mid = a + Real(0.5) * (b - a);
       if (!(mid > a && mid < b)) break;  // interval is down to adjacent floats
-      if (sturm_count(wk.d, e2, n, mid, pivmin) > k) b = mid; else a = mid;
+      if (sturm_count(te, n, mid, pivmin) > k) b = mid; else a = mid;
     }
-    wk.w[k] = a + Real(0.5) * (b - a);
+    lam[k] = a + Real(0.5) * (b - a);
   }
   team.sync();
-  if (team.rank() == 0) {  // counts are monotone in exact arithmetic; make sure rounding agrees
-    for (int i = 1; i < n; ++i) {
-      const Real x = wk.w[i];
-      int j = i - 1;
-      while (j >= 0 && wk.w[j] > x) { wk.w[j + 1] = wk.w[j]; --j; }
-      wk.w[j + 1] = x;
-    }
+  // counts are monotone in exact arithmetic; rounding may still swap neighbours: rank sort
+  // (position of lam[k] = #smaller + #equal before k), O(n) broadcast reads per member
+  for (int k = team.rank(); k < n; k += team.size()) {
+    const Real x = lam[k];
+    int pos = 0;
+    for (int i = 0; i < n; ++i) pos += (lam[i] < x) || (lam[i] == x && i < k);
+    wk.d[pos] = x;  // d was copied into te
   }
   team.sync();
 }
@@ -268,15 +451,12 @@ FS_HD void eigvalsh_one(const Team& team, const Real* in, int64_t sr, int64_t sc
   }
   int ex = 0;
   Num<Real>::frexp_(amax, &ex);  // amax = f * 2^ex, f in [0.5, 1)
-  const int64_t nn = static_cast<int64_t>(n) * n;
   team.sync();
-  for (int64_t idx = team.rank(); idx < nn; idx += team.size()) {
-    wk.a[idx] = Num<Real>::ldexp_(wk.a[idx], -ex);
-  }
+  scale_matrix(team, n, ex, wk);
   team.sync();
   tridiagonalize(team, n, wk);
   bisect_all(team, n, wk);
-  for (int i = team.rank(); i < n; i += team.size()) out[i] = Num<Real>::ldexp_(wk.w[i], ex);
+  for (int i = team.rank(); i < n; i += team.size()) out[i] = Num<Real>::ldexp_(wk.d[i], ex);
   team.sync();
 }
 

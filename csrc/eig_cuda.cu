@@ -3,19 +3,36 @@
 // Design envelope: n <= 256, aimed at n = 128 and batches of 256..4096 (one probe of a 1.5B
 // model). fp32 and fp64. The per-matrix numerics are eig_core.h (shared with the host twin).
 //   * block = round_up(n, 32) threads, capped at 256: one matrix column (and later one
-//     eigenvalue) per thread. Reductions: warp shuffles + one shared word per warp.
-//   * the full n x n matrix sits in shared memory when it fits (fp32 n <= 236, fp64 n <= 168
-//     with the 227 KiB H100 opt-in limit); otherwise in a global workspace of one n x n matrix
-//     per resident block (L1/L2 cached; correct, but this is where the kernel stops being good).
-//   * work per 128 x 128 matrix: ~4.2 MFLOP tridiagonalization (full-storage rank-2 updates,
-//     ~1.5x LAPACK's 4/3 n^3) + ~1.7 M ops Sturm bisection (128 eigenvalues x ~25 halvings x
-//     128-step recurrence). 4096 matrices ~ 25 GFLOP, but shared-memory traffic (~3 accesses
-//     per element per reflector, ~n^3 words per matrix) and ~7 barriers per reflector bound it.
-//   * 64 KiB + 2.1 KiB of shared memory per 128 x 128 fp32 block: 3 blocks (12 warps) per H100 SM;
-//     launch bounds ask for 3 resident blocks (64 registers fp32, 80 fp64, no spills on sm_90).
-//   * the Householder vectors are read as 128-bit broadcasts (load4), so per matrix element and
-//     reflector the block issues ~1 shared load for p = A u and ~2.5 (load, store, u/w) for the
-//     rank-2 update, in 1/32-warp units. NOT MEASURED YET on a GPU: timings are open.
+//     eigenvalue) per thread. Reductions: warp shuffles + one shared word per warp, two
+//     alternating scratch halves (one barrier per reduction).
+//   * the full matrix sits in shared memory when it fits, rows padded to n + 1 (a column's entries
+//     in distinct banks): fp32 n <= 237, fp64 n <= 166 within the 227 KiB H100 opt-in; otherwise
+//     a global workspace of one n x n matrix per resident block (L1/L2 cached; correct, but this
+//     is where the kernel stops being good). Whether it does is a template parameter, so the
+//     compiler knows the address space: LDS/STS, no generic LD/ST (tests/test_eig_sass.py).
+//   * 67.75 KiB of shared memory per 128 x 128 fp32 block, carveout set to all-shared: 3 blocks
+//     (12 warps) per H100 SM; launch bounds ask for 3 (80 registers, no spills on sm_90).
+//
+// Cost model, fp32 n = 128, 4 warps per matrix (SASS from nvcc 13.0 for sm_90, counted by
+// fastspec.bench.sass; tests/test_eig_sass.py keeps the counts honest). Per matrix:
+//   * tridiagonalization, one fused pass per reflector (rank-2 update of reflector j-1 + p of
+//     reflector j): 8.25 instructions and 2.75 shared wavefronts per element and warp (3 FFMA,
+//     LDS + STS of the element, 3/4 LDS.128 broadcast of u, w, u_next; 66 instructions per
+//     8-row iteration). Sum over reflectors of warps x rows: 26.0k warp-iterations -> ~215k
+//     instructions, ~72k wavefronts. Per-reflector rest (column update, reflector, w, 5 barriers):
+//     ~120 instructions per warp -> ~60k. (Before: a generic-pointer p pass + a separate update,
+//     ~16 instructions and 3.75 accesses per element, 7 barriers per reflector.)
+//   * eigenvalues: one Sturm sweep at 127 grid points brackets each eigenvalue to 1/128 of the
+//     Gerschgorin interval, then ~18 bisection sweeps of 128 steps; one step = 8.25
+//     instructions (LDS.64 of (e^2, d), FADD, MUFU.RCP, FFMA, pivmin guard, sign-bit count; no
+//     IEEE-division slow path) -> ~80k instructions, ~10k wavefronts. Rank sort: ~3k.
+//   * load (coalesced row reads, 8 rows in flight per thread) + exact power-of-two scaling: ~12k.
+//   => ~370k warp instructions and ~83k shared wavefronts per matrix. An SM issues 4 warp
+//      instructions and one shared wavefront per cycle: ~93k cycles issue bound, ~83k shared
+//      bound. 4096 matrices = 31 per SM: PREDICTED ~1.5-1.7 ms on H100 SXM (1.75-1.98 GHz),
+//      if 12 warps per SM hide the latencies. Target <= 2 ms; the 1 ms stretch needs the matrix
+//      in registers (2 threads per column, no LDS/STS of the element: ~4 instructions per
+//      element and reflector). NOT MEASURED on a GPU yet.
 //   * larger n: not handled here; fastspec.eigvalsh falls back to torch.linalg.eigvalsh.
 // No torch headers, no libtorch: raw device pointers, element strides and a cudaStream_t, so the
 // same entry serves torch tensors and CuPy arrays.
@@ -34,15 +51,18 @@ namespace {
 
 // Team = the thread block. Requires blockDim.x to be a multiple of 32 (full-warp shuffles).
 struct BlockTeam {
-  void* scratch;  // >= 32 reals of shared memory
+  void* scratch;  // >= 64 reals of shared memory
+  mutable unsigned parity;  // which half of scratch the next reduction uses
   __device__ int rank() const { return threadIdx.x; }
   __device__ int size() const { return blockDim.x; }
   __device__ void sync() const { __syncthreads(); }
 
   template <class Real, class Op> __device__ Real reduce(Real x, Op op) const {
     for (int o = 16; o > 0; o >>= 1) x = op(x, __shfl_xor_sync(0xffffffffu, x, o));
-    Real* s = static_cast<Real*>(scratch);
-    __syncthreads();  // the previous reduction's readers are done with scratch
+    // two scratch halves, alternating: one barrier per reduction. Reduction i + 2 reuses the half
+    // of reduction i only after every thread has passed reduction i + 1's barrier, which each
+    // reaches after folding reduction i's totals (all threads run the same reductions in order).
+    Real* s = static_cast<Real*>(scratch) + (parity++ & 1u) * 32;
     if ((threadIdx.x & 31) == 0) s[threadIdx.x >> 5] = x;
     __syncthreads();
     // every thread folds the warp totals in the same order: bitwise-identical result everywhere,
@@ -63,30 +83,42 @@ constexpr int kMaxThreads = 256;
 
 __host__ __device__ constexpr int64_t round_up4(int64_t x) { return (x + 3) & ~int64_t(3); }
 
-template <class Real>
-__global__ void __launch_bounds__(kMaxThreads, 3)  // 3 blocks per SM: the shared-memory bound at n = 128
+// The matrix's location is a template parameter, not a run-time choice: with kSmem the compiler
+// sees every matrix pointer derive from the __shared__ array and emits LDS/STS (a run-time select
+// between shared and global memory compiles to generic LD/ST, slower on every access).
+// Resident blocks per SM the register budget is sized for: 3 for fp32 with the matrix in shared
+// memory (the shared-memory bound at n = 128: 80 registers, no spills). fp64's 128 x 128 matrix
+// takes 129 KiB, one block per SM, and the global-workspace path runs at most 4 blocks of up to
+// 256 threads per SM anyway: 2 (up to 128 registers) keeps both free of spills.
+template <class Real, bool kSmem> constexpr int kMinBlocks = (sizeof(Real) == 4 && kSmem) ? 3 : 2;
+
+template <class Real, bool kSmem>
+__global__ void __launch_bounds__(kMaxThreads, kMinBlocks<Real, kSmem>)
 eigvalsh_batched_kernel(const Real* __restrict__ in, Real* __restrict__ out, Real* work, int64_t batch, int n,
-                        int64_t sb, int64_t sr, int64_t sc, int64_t osb, bool matrix_in_smem) {
+                        int64_t sb, int64_t sr, int64_t sc, int64_t osb) {
   extern __shared__ __align__(16) double smem_f64[];
   Real* sm = reinterpret_cast<Real*>(smem_f64);
-  const int64_t nn = static_cast<int64_t>(n) * n;
   const int n4 = round_up4(n);  // every vector starts 16-byte aligned (load4 in eig_core.h)
   Work<Real> wk;
-  wk.rs = n;
+  wk.rs = kSmem ? n + 1 : n;  // padded in shared memory: conflict-free column access
   wk.cs = 1;
-  wk.a = matrix_in_smem ? sm : work + static_cast<int64_t>(blockIdx.x) * nn;
-  wk.d = matrix_in_smem ? sm + round_up4(nn) : sm;
+  wk.a = kSmem ? sm : work + static_cast<int64_t>(blockIdx.x) * n * n;
+  wk.d = kSmem ? sm + round_up4(static_cast<int64_t>(n) * (n + 1)) : sm;
   wk.e = wk.d + n4;
   wk.v = wk.e + n4;
   wk.w = wk.v + n4;
-  BlockTeam team{wk.w + n4};
+  wk.v2 = wk.w + n4;
+  wk.p2 = wk.v2 + n4;
+  BlockTeam team{wk.p2 + (n4 > kGrid ? n4 : kGrid), 0u};
   for (int64_t b = blockIdx.x; b < batch; b += gridDim.x)
     eigvalsh_one(team, in + b * sb, sr, sc, n, out + b * osb, wk);
 }
 
 template <class Real> size_t smem_bytes(int n, bool matrix_in_smem) {
-  const int64_t nn = static_cast<int64_t>(n) * n;
-  return sizeof(Real) * static_cast<size_t>((matrix_in_smem ? round_up4(nn) : 0) + 4 * round_up4(n) + 32);
+  // padded matrix (n rows of n + 1), six vectors (the last >= kGrid), 2 x 32 reals of reduction scratch
+  const int64_t padded = static_cast<int64_t>(n) * (n + 1), n4 = round_up4(n);
+  return sizeof(Real) * static_cast<size_t>((matrix_in_smem ? round_up4(padded) : 0) + 5 * n4 +
+                                            (n4 > kGrid ? n4 : kGrid) + 64);
 }
 
 void check(cudaError_t err, const char* what) {
@@ -124,11 +156,14 @@ void launch(const Real* in, Real* out, Real* work, int64_t batch, int n, int64_t
   check(cudaSetDevice(device), "cudaSetDevice");
   const Plan p = plan<Real>(batch, n, device);
   if (!p.matrix_in_smem && work == nullptr) throw std::invalid_argument("work: a workspace is needed for this n");
-  auto kernel = eigvalsh_batched_kernel<Real>;
+  auto kernel = p.matrix_in_smem ? eigvalsh_batched_kernel<Real, true> : eigvalsh_batched_kernel<Real, false>;
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(p.smem)),
         "cudaFuncSetAttribute");
-  kernel<<<static_cast<unsigned>(p.grid), p.threads, p.smem, stream>>>(in, out, work, batch, n, sb, sr, sc, osb,
-                                                                      p.matrix_in_smem);
+  // all of the unified L1/shared array as shared memory: the default carveout may leave room for
+  // fewer resident blocks than the shared-memory footprint allows
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared),
+        "cudaFuncSetAttribute");
+  kernel<<<static_cast<unsigned>(p.grid), p.threads, p.smem, stream>>>(in, out, work, batch, n, sb, sr, sc, osb);
   const cudaError_t err = cudaGetLastError();
   cudaSetDevice(previous);
   check(err, "kernel launch");

@@ -1,0 +1,166 @@
+"""Static evidence about compiled GPU kernels, without a GPU: ptxas resource lines and SASS.
+
+What a kernel will cost can be read, in part, before it ever runs: how many registers it uses
+and whether it spills (``nvcc -Xptxas -v`` / ``ptxas -v``), which memory instructions the
+compiler chose (``LDS``/``STS`` for shared memory vs generic ``LD``/``ST``), and how many
+instructions each loop iteration issues (``cuobjdump -sass``). The kernel headers' cost models
+(``csrc/eig_cuda.cu``, ``fastspec/covariance/triton_kernels.py``) are built from these counts,
+and the tests keep them honest (``tests/test_eig_sass.py``).
+
+Tools are looked up in ``$CUDA_HOME/bin`` and on ``PATH`` first, then in the Triton wheel
+(``triton/backends/nvidia/bin`` ships ``ptxas``, ``cuobjdump`` and ``nvdisasm``).
+
+Usage: ``python -m fastspec.bench.sass FILE.cubin [REGEX]`` prints, per kernel matching REGEX,
+its opcode counts and its innermost loops' instruction counts.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+
+__all__ = ["Kernel", "Loop", "find_tool", "parse_ptxas", "disassemble", "kernels", "main"]
+
+
+def find_tool(name: str) -> str | None:
+    """Path of a CUDA binary tool (``nvcc``, ``cuobjdump``, ``nvdisasm``, ``ptxas``), or None:
+    ``$CUDA_HOME/bin``, ``$CUDA_PATH/bin``, ``PATH``, then the Triton wheel."""
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+        if home and os.access(os.path.join(home, "bin", name), os.X_OK):
+            return os.path.join(home, "bin", name)
+    found = shutil.which(name)
+    if found:
+        return found
+    try:
+        import triton  # noqa: PLC0415 - optional, and slow to import
+    except ImportError:
+        return None
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    return path if os.access(path, os.X_OK) else None
+
+
+_PTXAS_FN = re.compile(r"(?:Compiling entry function|Function properties for) '?([\w$.]+)'?")
+_PTXAS_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+
+
+def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
+    """``-Xptxas -v`` output -> ``{mangled kernel name: {registers, spill_stores, spill_loads, stack}}``."""
+    out: dict[str, dict[str, int]] = {}
+    name = None
+    for line in log.splitlines():
+        m = _PTXAS_FN.search(line)
+        if m:
+            name = m.group(1)
+            out.setdefault(name, {"registers": 0, "spill_stores": 0, "spill_loads": 0, "stack": 0})
+            continue
+        if name is None:
+            continue
+        m = _PTXAS_SPILL.search(line)
+        if m:
+            out[name].update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+        m = _PTXAS_REGS.search(line)
+        if m:
+            out[name]["registers"] = int(m.group(1))
+    return out
+
+
+_FUNC = re.compile(r"^\s*Function : (\S+)")
+# "        /*0150*/                   @!P0 LDS.128 R4, [R2+0x10] ;"
+_INSN = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
+
+
+@dataclass
+class Loop:
+    """Instructions from a backward branch's target to the branch itself (one iteration's code)."""
+
+    start: int
+    end: int
+    ops: Counter = field(default_factory=Counter)  # base opcode (before the first '.') -> count
+
+    @property
+    def size(self) -> int:
+        return sum(self.ops.values())
+
+
+@dataclass
+class Kernel:
+    name: str
+    ops: Counter  # base opcode -> count over the whole kernel
+    full_ops: Counter  # opcode with modifiers (e.g. LDS.128, LD.E) -> count
+    loops: list[Loop]  # every loop, innermost first within each nest, in address order
+
+    def innermost(self) -> list[Loop]:
+        """Loops that contain no other loop."""
+        return [lp for lp in self.loops
+                if not any(o is not lp and lp.start <= o.start and o.end <= lp.end for o in self.loops)]
+
+
+def disassemble(cubin: str) -> str:
+    """``cuobjdump -sass`` of a cubin (or of an object/executable holding one)."""
+    tool = find_tool("cuobjdump")
+    if tool is None:
+        raise FileNotFoundError("cuobjdump: not on PATH and not in the Triton wheel")
+    return subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+
+
+def kernels(sass: str) -> list[Kernel]:
+    """Split a ``cuobjdump -sass`` listing into kernels with opcode counts and loops."""
+    out: list[Kernel] = []
+    name, insns = None, []
+
+    def flush():
+        if name is None:
+            return
+        ops = Counter(op.split(".")[0] for _, op, _ in insns)
+        full = Counter(op for _, op, _ in insns)
+        loops = []
+        for a, op, args in insns:
+            if op.split(".")[0] != "BRA":
+                continue
+            m = re.search(r"0x([0-9a-f]+)", args)
+            if m is None:
+                continue
+            target = int(m.group(1), 16)
+            if target <= a:
+                body = [o for (x, o, _) in insns if target <= x <= a]
+                loops.append(Loop(target, a, Counter(o.split(".")[0] for o in body)))
+        loops.sort(key=lambda lp: (lp.start, -lp.end))
+        out.append(Kernel(name, ops, full, loops))
+
+    for line in sass.splitlines():
+        m = _FUNC.match(line)
+        if m:
+            flush()
+            name, insns = m.group(1), []
+            continue
+        m = _INSN.match(line)
+        if m and name is not None:
+            insns.append((int(m.group(1), 16), m.group(3), m.group(4)))
+    flush()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        print(__doc__.strip().splitlines()[-1].strip())
+        return 2
+    pattern = re.compile(argv[1] if len(argv) > 1 else ".")
+    for k in kernels(disassemble(argv[0])):
+        if not pattern.search(k.name):
+            continue
+        print(f"{k.name}: {sum(k.ops.values())} instructions")
+        print("  " + ", ".join(f"{op} {n}" for op, n in k.ops.most_common(16)))
+        for lp in k.innermost():
+            top = ", ".join(f"{op} {n}" for op, n in lp.ops.most_common(10))
+            print(f"  loop {lp.start:#06x}-{lp.end:#06x}: {lp.size} instructions ({top})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
