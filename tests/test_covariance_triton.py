@@ -267,6 +267,125 @@ def test_nan_inf_rows_are_counted_not_merged(D, dtype):
         cov.check_finite()
 
 
+# ------------------------------------- fused fast path: one finiteness test per program
+# The fused kernel merges every kept row without testing it, and a program whose Σd comes out
+# non-finite redoes its rows with the exact per-row test. Rejecting a row must then give the
+# same partials, bit for bit, as masking it out (same rows merged, same order), and the
+# programs of the other splits never see the fallback.
+def _same_partials(a, b, fields=("n", "c", "s", "G")):
+    for f in fields:
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("center", [True, False], ids=["centered", "raw"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DT_ID.get)
+def test_fallback_rejects_exactly_what_masking_removes(dtype, center):
+    # 4 row splits of 32 rows; bad rows only in split 1 of site 0 (and split 3 of site 2),
+    # site 1 clean: +Inf and -Inf in one column (Σ = NaN, from two row slots), and a NaN
+    x = torch.randn(2, 64, 3, 32, device=DEVICE).to(dtype)
+    bad = [(0, 33, 0, 4, float("inf")), (0, 40, 0, 4, float("-inf")), (0, 50, 0, 7, float("nan")),
+           (1, 40, 2, 31, float("-inf"))]
+    for b, t, s_, d, v in bad:
+        x[b, t, s_, d] = v
+    mask = torch.ones(2, 64, dtype=torch.bool, device=DEVICE)
+    mask[1, 3] = False
+    got = kernel(x, mask, 1, center, split=4)
+    assert got.rejected.tolist() == [3, 0, 1]
+    assert got.n.tolist() == [124, 127, 126]
+    assert torch.isfinite(got.G).all() and torch.isfinite(got.s).all()
+    # those (b, t) rows made non-finite at every site vs masked out: bitwise equal partials
+    masked = mask.clone()
+    x2 = x.clone()
+    for b, t, _, _, _ in bad:
+        masked[b, t] = False
+        x2[b, t, :, 0] = float("nan")
+    both = kernel(x2, mask, 1, center, split=4)
+    assert both.rejected.tolist() == [4, 4, 4]
+    ref = kernel(x2, masked, 1, center, split=4)
+    assert ref.rejected.tolist() == [0, 0, 0]
+    _same_partials(both, ref)
+    again = kernel(x2, mask, 1, center, split=4)
+    _same_partials(again, both, ("n", "c", "s", "G", "rejected"))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_fallback_inf_minus_inf_in_one_row_slot():
+    # rows 0 and 32 of one split share the kernel's row slot (BT = 32): Σ over the slot is
+    # inf − inf = NaN before the final reduction; both rows must be rejected, the rest kept
+    x = torch.randn(1, 96, 1, 64, device=DEVICE)
+    x[0, 0, 0, 9] = float("inf")
+    x[0, 32, 0, 9] = float("-inf")
+    got = check_against_fp64(x, None, 1, center=False, split=1)
+    assert got.rejected.tolist() == [2] and got.n.tolist() == [94]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_finite_rows_whose_sums_overflow_stay_valid():
+    # every row finite, but Σx (and x²) overflow fp32: the fast pass sees a non-finite Σd and
+    # reruns exactly; no row may be rejected, and the sums are what fp32 makes of them
+    x = torch.randn(1, 40, 2, 32, device=DEVICE)
+    x[0, 3, 0, 5] = 3e38
+    x[0, 17, 0, 5] = 3e38
+    x[0, 20, 1, :] = 2e20  # finite x, x² = inf
+    got = kernel(x, None, 1, center=False, split=2)
+    ref = reference(x, None, 1, center=False)
+    assert got.n.tolist() == [40, 40] and got.rejected.tolist() == [0, 0]
+    assert got.n.tolist() == ref.n.tolist() and got.rejected.tolist() == ref.rejected.tolist()
+    assert torch.isinf(got.s[0, 5]) and torch.isfinite(got.s[1]).all()
+    assert torch.isinf(got.G[1, 3, 3]) and torch.isinf(got.G[0, 5, 5])
+    # (near fp32's max, G's diagonal tile average (G + Gᵀ)/2 may overflow where torch's does not)
+    fine = torch.isfinite(ref.G) & torch.isfinite(got.G)
+    assert fine[0, :5, :5].all()
+    torch.testing.assert_close(got.G[fine], ref.G[fine], rtol=1e-5, atol=1e-3)
+
+
+# ------------------------------------------------------------------- row indexing variants
+# Rows are x[b, t·row_step] for r = b·Tk + t. With Tk >= BT (32 rows per block) the kernel
+# carries the block's first (b, t) and lets each row wrap into the next sequence at most
+# once; otherwise it divides small int32s per row. Both must walk the same rows, so they give
+# bitwise equal partials; blocks and splits start mid-sequence whenever Tk is not a multiple
+# of 32.
+@pytest.mark.parametrize("T,row_step", [(5, 1), (1, 1), (32, 1), (45, 1), (100, 3), (200, 6), (90, 7)],
+                         ids=["Tk5", "Tk1", "Tk32", "Tk45", "Tk34-step3", "Tk34-step6", "Tk13-step7"])
+@pytest.mark.parametrize("layout", ["contiguous", "keys_view", "sliced"])
+def test_row_walk_variants(monkeypatch, T, row_step, layout):
+    if layout == "contiguous":
+        x = torch.randn(3, T, 2, 64, device=DEVICE)
+    elif layout == "keys_view":  # [B, H, T, D] seen as [B, T, H, D]
+        x = torch.randn(3, 2, T, 64, device=DEVICE).transpose(1, 2)
+    else:  # every other sequence, a channel window, odd strides everywhere
+        x = torch.randn(6, T + 3, 3, 70, device=DEVICE)[::2, 1:T + 1, 1:, 3:67]
+    x = x.to(torch.bfloat16)
+    mask = torch.rand(3, T, device=DEVICE) > 0.25
+    mask[1, : T // 2] = False
+    for split in (1, 3):
+        carried = check_against_fp64(x, mask, row_step, center=True, split=split)
+        raw = kernel(x, mask, row_step, False, split=split)
+        monkeypatch.setattr(tu, "_ROW_CARRY", False)
+        general = kernel(x, mask, row_step, True, split=split)
+        general_raw = kernel(x, mask, row_step, False, split=split)
+        monkeypatch.setattr(tu, "_ROW_CARRY", True)
+        _same_partials(carried, general, ("n", "c", "s", "G", "rejected"))
+        _same_partials(raw, general_raw, ("n", "c", "s", "G", "rejected"))
+        assert carried.n.tolist() == [int(mask[:, ::row_step].sum())] * 2
+
+
+def test_launch_config_one_wave_and_bounded_workspace(monkeypatch):
+    monkeypatch.setattr(tu, "_sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    keys = tu.launch_config(8 * 2048, 8, 128, cuda, 2, center=False)
+    assert (keys.BT, keys.num_warps, keys.num_stages) == (32, 8, 4)
+    assert keys.split * 8 <= 132 and keys.split == 16 and keys.rows_per_split == 1024
+    # the fp32 workspace stays under a quarter of the bytes of x it summarizes
+    assert keys.split * 128 * 128 * 4 <= 8 * 2048 * 128 * 2 / 4
+    assert tu.launch_config(8 * 2048, 8, 128, cuda, 2, center=True).num_stages == 3
+    for S in (1, 5, 12, 40, 200):  # never a partial second wave
+        cfg = tu.launch_config(1 << 20, S, 128, cuda, 2)
+        assert S * cfg.split <= max(132, S)
+
+
 # --------------------------------------------------------------- streaming, determinism
 def test_many_small_updates_equal_one_big():
     x = torch.randn(2, 60, 2, 64, dtype=torch.bfloat16, device=DEVICE) + 5
@@ -357,44 +476,105 @@ def test_bad_input_names_the_argument(call, match):
 
 # ------------------------------------------------------------- GPU compile, without a GPU
 _COMPILE_SCRIPT = r"""
-import json, sys
+import json, os, re, subprocess, sys, tempfile
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from fastspec.covariance import triton_kernels as K
+from fastspec.covariance import triton_update as tu
+from fastspec.bench.sass import kernels as sass_kernels
 
-def ptx(fn, types, consts, num_warps):
-    sig = {a: "constexpr" if a in consts else types.get(a, "i64" if a.startswith("stride") else "i32")
-           for a in fn.arg_names}
-    src = ASTSource(fn=fn, signature=sig,
-                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
-
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 ptrs = {"p_mask": "*u8", "p_status": "*i8", "p_c": "*fp32", "p_G": "*fp32", "p_s": "*fp32",
         "p_n": "*i32", "p_rej": "*i32"}
+# what the launcher's specialization gives a contiguous keys tensor and mask: unit strides and
+# row_step are constants, pointers/sizes/strides multiples of 16
+ONES = ("stride_xd", "stride_mt", "ROW_STEP")
+DIV16 = ("p_x", "p_mask", "p_status", "p_c", "p_G", "p_s", "p_n", "p_rej", "N", "Tk", "D", "RPS",
+         "stride_xb", "stride_xt", "stride_xs", "stride_mb")
+
+def build(fn, types, consts, num_warps, num_stages=3, specialize=False):
+    consts = dict(consts)
+    if specialize:
+        consts.update({k: 1 for k in ONES if k in fn.arg_names})
+    sig = {a: "constexpr" if a in consts else types.get(a, "i64" if a.startswith("stride") else "i32")
+           for a in fn.arg_names}
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
+             for a in DIV16 if specialize and a in fn.arg_names and a not in consts}
+    src = ASTSource(fn=fn, signature=sig, attrs=attrs,
+                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+def tool(name, cubin, *args):
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        return subprocess.run([os.path.join(BIN, name), *args, path], capture_output=True, text=True,
+                              check=True).stdout
+
+def sass_stats(cubin):
+    # registers/stack from the cubin's resource usage; ops of the first loop (the fast row loop)
+    # from the disassembly (fastspec.bench.sass: a loop runs from a backward branch's target to
+    # the branch)
+    res = tool("cuobjdump", cubin, "-res-usage")
+    (kernel,) = sass_kernels(tool("cuobjdump", cubin, "-sass"))
+    loop = min(kernel.loops, key=lambda lp: (lp.start, lp.end))
+    return {"regs": int(re.search(r"REG:(\d+)", res).group(1)),
+            "stack": int(re.search(r"STACK:(\d+)", res).group(1)),
+            "spill_ops": kernel.ops["LDL"] + kernel.ops["STL"],
+            "loop": loop.size, "BAR": loop.ops["BAR"], "SHFL": loop.ops["SHFL"], "HGMMA": loop.ops["HGMMA"],
+            "LDGSTS": loop.ops["LDGSTS"], "CALL": loop.ops["CALL"],
+            "div": loop.ops["I2F"] + loop.ops["MUFU"]
+                   + sum(n for op, n in loop.full_ops.items() if op.startswith("IMAD.HI"))}
+
 out = {}
 for dt, center, D, ntile in [("bf16", True, 128, 1), ("fp16", False, 2048, 16), ("fp32", True, 128, 1)]:
     consts = dict(HAS_MASK=True, FUSED_STATUS=ntile == 1, CENTER=center, SPLIT_BF16=center and dt != "fp32",
-                  UPCAST=False, PRECISION="ieee", NTILE=ntile, BT=32, BD=128)
-    code = ptx(K._cov_partials_kernel, {"p_x": "*" + dt, **ptrs}, consts, 8)
+                  UPCAST=False, PRECISION="ieee", NTILE=ntile, TK_GE_BT=True, BT=32 if dt != "fp32" else 16,
+                  BD=128)
+    code = build(K._cov_partials_kernel, {"p_x": "*" + dt, **ptrs}, consts, 8).asm["ptx"]
     out[dt] = {"wgmma": code.count("wgmma.mma_async"), "tf32": code.count("tf32")}
-ptx(K._center_kernel, {"p_x": "*bf16", **ptrs}, dict(HAS_MASK=True, ROUND_TO_INPUT=True, NC=64, BD=64), 4)
-ptx(K._row_status_kernel, {"p_x": "*bf16", **ptrs}, dict(HAS_MASK=True, BT=64, BD=128), 8)
-print(json.dumps(out))
+# the keys kernel as the launcher configures it (bf16, D = 128, fused), both conventions
+for center in (False, True):
+    cfg = tu.launch_config(8 * 2048, 8, 128, torch.device("cpu"), 2, split=16, center=center)
+    consts = dict(HAS_MASK=True, FUSED_STATUS=True, CENTER=center, SPLIT_BF16=center, UPCAST=False,
+                  PRECISION="ieee", NTILE=cfg.NTILE, TK_GE_BT=True, BT=cfg.BT, BD=cfg.BD)
+    k = build(K._cov_partials_kernel, {"p_x": "*bf16", **ptrs}, consts, cfg.num_warps, cfg.num_stages, True)
+    out["keys", center] = sass_stats(k.asm["cubin"])
+build(K._center_kernel, {"p_x": "*bf16", **ptrs}, dict(HAS_MASK=True, ROUND_TO_INPUT=True, NC=64, BD=64), 4)
+build(K._row_status_kernel, {"p_x": "*bf16", **ptrs}, dict(HAS_MASK=True, BT=64, BD=128), 8)
+print(json.dumps({str(k): v for k, v in out.items()}))
 """
+
+# per 32-row iteration of the fused bf16 D = 128 row loop, per warp, on sm_90 (what Triton 3.6
+# and 3.9 give, with some room): the design envelope in triton_kernels.py is built on these
+KEYS_LOOP_BOUNDS = {
+    False: dict(loop=210, BAR=2, SHFL=0),  # measured 184 (3.9) / 184 (3.6), 2 barriers
+    True: dict(loop=460, BAR=8, SHFL=0),  # measured 414 (3.9) / 399 (3.6), 7 / 4 barriers
+}
 
 
 def test_kernels_compile_for_sm90_without_a_gpu():
     """The interpreter runs kernels as Python and misses compile errors (e.g. return types of
     constexpr-dead branches): compile every kernel for sm_90 with Triton's bundled ptxas.
-    Also pins the precision: bf16 products on tensor cores, fp32 never through TF32."""
+    Also pins the precision (bf16 products on tensor cores, fp32 never through TF32) and the
+    cost of the keys kernel's row loop in SASS: no spills, loads software-pipelined
+    (cp.async), no per-row division or cross-thread reduction, bounded instructions/barriers."""
     import json
     import os
     import subprocess
     import sys
 
     pytest.importorskip("triton.backends.nvidia")
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    import triton
+
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    if not os.access(os.path.join(bin_dir, "cuobjdump"), os.X_OK):
+        pytest.skip("triton's nvidia backend ships no cuobjdump")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, cwd=root,
                           capture_output=True, text=True, timeout=600)
@@ -402,6 +582,15 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["bf16"]["wgmma"] > 0 and out["fp16"]["wgmma"] > 0
     assert out["fp32"]["wgmma"] == 0 and out["fp32"]["tf32"] == 0
+    for center, bound in KEYS_LOOP_BOUNDS.items():
+        got = out[str(("keys", center))]
+        assert got["spill_ops"] == 0 and got["stack"] == 0, got
+        assert got["regs"] <= 255, got
+        assert got["HGMMA"] == (8 if center else 2), got  # 2 k-steps of 16 rows (x4: hi/lo split)
+        assert got["LDGSTS"] > 0, got  # x arrives through the cp.async pipeline
+        assert got["CALL"] == 0 and got["div"] == 0, got  # no per-row // or %
+        assert got["loop"] <= bound["loop"], got
+        assert got["BAR"] <= bound["BAR"] and got["SHFL"] <= bound["SHFL"], got
 
 
 # ---------------------------------------------------------------------------------- GPU

@@ -81,6 +81,7 @@ class Loop:
     start: int
     end: int
     ops: Counter = field(default_factory=Counter)  # base opcode (before the first '.') -> count
+    full_ops: Counter = field(default_factory=Counter)  # opcode with modifiers -> count
 
     @property
     def size(self) -> int:
@@ -92,7 +93,7 @@ class Kernel:
     name: str
     ops: Counter  # base opcode -> count over the whole kernel
     full_ops: Counter  # opcode with modifiers (e.g. LDS.128, LD.E) -> count
-    loops: list[Loop]  # every loop, innermost first within each nest, in address order
+    loops: list[Loop]  # every loop, by start address (outer before inner at the same start)
 
     def innermost(self) -> list[Loop]:
         """Loops that contain no other loop."""
@@ -128,7 +129,7 @@ def kernels(sass: str) -> list[Kernel]:
             target = int(m.group(1), 16)
             if target <= a:
                 body = [o for (x, o, _) in insns if target <= x <= a]
-                loops.append(Loop(target, a, Counter(o.split(".")[0] for o in body)))
+                loops.append(Loop(target, a, Counter(o.split(".")[0] for o in body), Counter(body)))
         loops.sort(key=lambda lp: (lp.start, -lp.end))
         out.append(Kernel(name, ops, full, loops))
 

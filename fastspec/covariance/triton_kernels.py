@@ -24,23 +24,54 @@ Design envelope
   summed in a fixed order by the launcher; no atomics, no autotuning (a different pick between
   processes would change the summation order), so equal inputs give bitwise equal sums.
 * No host sync: sizes come from shapes only; safe on the current stream inside forward hooks.
+* Fused row loop (D <= 128, ``_fused_rows``): per 32-row block it loads x once (Triton
+  software-pipelines the load through ``cp.async``), multiplies on the tensor cores, and adds
+  the block elementwise into a [BT, BD] fp32 tile of column sums; nothing crosses threads in
+  the loop (the tile is reduced once, after it, in a fixed order: deterministic). Rows are not
+  tested one by one: a NaN/±Inf in any kept row makes that program's Σd non-finite, and such a
+  program (or one whose sums overflowed) redoes its rows with the exact per-row test, so
+  rejected rows are still counted and never merged, bit for bit as if they had been masked.
+  Row addresses: when every sequence has >= BT sampled rows (``TK_GE_BT``) the block's first
+  (b, t) and offsets are carried from block to block and a row wraps into the next sequence at
+  most once (one compare per row); otherwise int32 division of small numbers per row.
 * Block sizes (launcher ``_rows_and_warps``): the largest row blocks that ptxas fits in 255
   registers without spilling in the row loop on sm_90 (Triton 3.9; checked by compiling without
   a GPU): BD=128 fused: 32 rows, 8 warps; BD<=64: 32-64 rows, 4 warps; tiled: 64 rows, 8 warps;
-  fp32: 16 rows. With the diagonal-tile symmetrization the 16-bit BD=128 kernels spill a few
-  loop-invariant registers (<= 120 bytes per thread, stored before the loop, reloaded after it).
-  The fp32 tiled kernel (FMA dot) still spills: fp32 input with D > 128 is outside the envelope.
-  Triton 3.6 spills inside the loop of the 16-bit tiled kernel (D > 128) too; not retuned.
+  fp32: 16 rows. The fp32 tiled kernel (FMA dot) spills: fp32 input with D > 128 is outside
+  the envelope. Triton 3.6 spills inside the loop of the 16-bit tiled kernel (D > 128) too.
+* SASS of the keys kernel (bf16, D = 128, 8 warps, sm_90, the launcher's specialization of a
+  contiguous input; per 32-row iteration per warp; Triton 3.9 / 3.6 where they differ; kept
+  honest by ``test_kernels_compile_for_sm90_without_a_gpu``):
+
+  ==============================  =========================  ===============================
+  before -> now                   CENTER=False (``sv``)      CENTER=True (hi + lo split)
+  ==============================  =========================  ===============================
+  loop instructions               454/461 -> 184             647/644 -> 414/399
+  BAR per iteration               10/5 -> 2                  14/7 -> 7/4
+  SHFL per iteration              32/28 -> 0                 32/28 -> 0
+  int64 division in the loop      2 CALL + I2F/RCP -> none   same -> none
+  registers, spills               158/155, 0 -> 194, 0       174/171, 0 -> 229/234, 0
+  num_stages (cp.async depth)     3 -> 4                     3
+  ==============================  =========================  ===============================
 
 Byte/flop arithmetic (H100 SXM: ~3.35 TB/s HBM, ~990 TFLOP/s dense bf16; H200: 4.8 TB/s)
 -------------------------------------------------------------------------------------------
 * keys ``[B=8, H=8, T=2048, D=128]`` bf16 (N = 16384 rows per head): 33.6 MB read once; flops
   ``2·N·D²·H`` = 4.3 GFLOP uncentered (~4 µs at peak), ×4 centered (17 GFLOP, ~17 µs); memory
-  time 10 µs (H100) / 7 µs (H200). Uncentered (the ``sv`` key probe) is memory bound; centered
-  is ~2× compute bound (a per-block "skip the lo dots when lo ≡ 0" branch would recover
-  large-mean data; not done). Grid: 8 heads × SPLIT row splits with SPLIT = 16 on 132 SMs
-  (1024 rows each), workspace ``SPLIT·H·D²·4`` = 8.4 MB (≤ 1/4 of the input by construction).
-  The torch per-head path (``reference.py``) reads x, writes an fp32 copy, reads it back for an
+  time 10 µs (H100) / 7 µs (H200). Grid: 8 heads × 16 row splits = 128 programs of 1024 rows
+  (one wave, one 8-warp program per SM: 4 of 132 SMs idle since programs do not span heads),
+  workspace ``16·H·D²·4`` = 8.4 MB (1/4 of the input, L2 resident until the torch sum).
+* Cost model (a PREDICTION from the SASS counts above, not a measurement): per program,
+  time ≈ max(memory, issue, tensor) + ~1.5 µs (pipeline fill, G symmetrize + 64 KB store).
+  memory: 33.6 MB at ~3.0 TB/s (~90 % of HBM peak for streaming reads) = 11.2 µs; Little's
+  law asks ~3.35 TB/s × ~0.8 µs ≈ 2.7 MB in flight, the 4-stage pipeline keeps 3 blocks × 8 KB
+  × 128 SMs = 3.1 MB. issue: 8 warps × 184 / 4 schedulers = 368 cycles per block, × 32 blocks
+  = 6.7 µs at 1.75 GHz (before: 922 cycles, 16.9 µs: issue bound). So uncentered ≈ 12.5 µs,
+  ~2.7 TB/s ≈ 80 % of HBM (before: ≈ 18 µs, ~55 %), plus the split sum (8.4 MB from L2, one
+  small torch kernel). Centered: issue (8 warps × 414 / 4) = 828 cycles per block (15 µs) overlapping
+  the 4 dots (17 GFLOP, ~18 µs at ~95 % of peak): ≈ 20 µs, compute bound (a per-block "skip
+  the lo dots when lo ≡ 0" branch would recover large-mean data; not done).
+* The torch per-head path (``reference.py``) reads x, writes an fp32 copy, reads it back for an
   fp32 einsum, i.e. ≥ 5× the bytes plus an fp32 (TF32-free) matmul.
 * FFN ``[N=16384, D=8192]`` bf16: 268 MB of x; ``N·D²`` = 1.1 TFLOP uncentered over the upper
   triangle (~1.1 ms at peak), ×4 centered. Each of the 2080 tile programs reads 2×128 columns
@@ -49,7 +80,8 @@ Byte/flop arithmetic (H100 SXM: ~3.35 TB/s HBM, ~990 TFLOP/s dense bf16; H200: 4
   step if FFN probes need to be cheaper. The row-validity pre-pass adds one 268 MB read.
 * Targets (>= 80 % of HBM bandwidth on the key case, >= 3× the torch per-head matmul path) are
   NOT measured: no GPU was available while writing this; the code is tested on CPU under
-  ``TRITON_INTERPRET=1`` and compiled for sm_90 (no GPU needed) in the test suite.
+  ``TRITON_INTERPRET=1`` and compiled for sm_90 (no GPU needed) in the test suite, which also
+  bounds the SASS counts the cost model is built on.
 """
 from __future__ import annotations
 
@@ -226,6 +258,91 @@ def _load_prepped(p_row, o_d, m_d, valid, p_cs, stride_xd, CENTER: tl.constexpr)
 
 
 @triton.jit
+def _fused_rows(
+    p_xs, p_mask, p_cs, r_lo, r_hi, Tk, ROW_STEP,
+    stride_xb, stride_xt, stride_xd, stride_mb, stride_mt, o_d, m_d,
+    HAS_MASK: tl.constexpr, CENTER: tl.constexpr, SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, EXACT: tl.constexpr, TK_GE_BT: tl.constexpr, BT: tl.constexpr,
+    BD: tl.constexpr,
+):
+    """(G, Σd, valid rows, rejected rows) over rows [r_lo, r_hi) of one site, the tile holding
+    whole rows (one read of x).
+
+    EXACT=False (the fast pass): every kept row is merged, with no finiteness test; a NaN/±Inf
+    in any kept row makes Σd non-finite, and the caller then reruns with EXACT=True, which tests
+    every row and counts the non-finite ones as rejected (the rare path: the exact semantics).
+    """
+    b_G = tl.zeros([BD, BD], dtype=tl.float32)
+    b_S = tl.zeros([BT, BD], dtype=tl.float32)  # Σd per row slot: reduced once, after the loop
+    b_n = tl.zeros([BT], dtype=tl.int32)
+    b_rej = tl.zeros([BT], dtype=tl.int32)
+    b_c = tl.load(p_cs + o_d, mask=m_d, other=0) if CENTER else None
+    o_i = tl.arange(0, BT)
+    p_xd = o_d.to(tl.int64) * stride_xd
+    # between consecutive sampled rows of one sequence; int64 (r_lo is): a stride times a row
+    # count (Tk · stride_k in the wrap jump) can pass 2^31 on long sequences
+    stride_xk = (r_lo * 0 + stride_xt) * ROW_STEP
+    stride_mk = (r_lo * 0 + stride_mt) * ROW_STEP
+    # (b, t) of the block's first row: one division per program, then carried from block to
+    # block (no per-row int64 // and %). t0 < Tk always.
+    b0 = r_lo // Tk
+    t0 = (r_lo - b0 * Tk).to(tl.int32)
+    if TK_GE_BT:
+        # BT <= Tk: a block starting at t0 < Tk wraps into the next sequence at most once, so
+        # row i is at (b0, t0 + i) or (b0 + 1, t0 + i − Tk): its offsets are the first row's
+        # plus i·stride_k, plus a loop-invariant jump if it wrapped. Only the first row's
+        # offsets (scalars) are carried.
+        o_x0 = b0 * stride_xb + t0.to(tl.int64) * stride_xk
+        o_m0 = b0 * stride_mb + t0.to(tl.int64) * stride_mk
+        jump_x = stride_xb - Tk * stride_xk
+        jump_m = stride_mb - Tk * stride_mk
+        o_xi = o_i.to(tl.int64) * stride_xk
+        o_mi = o_i.to(tl.int64) * stride_mk
+    for r0 in range(r_lo, r_hi, BT):
+        m_r = o_i < r_hi - r0
+        if TK_GE_BT:
+            wrap = t0 + o_i >= Tk
+            o_row = o_x0 + o_xi + wrap.to(tl.int64) * jump_x
+            o_mrow = o_m0 + o_mi + wrap.to(tl.int64) * jump_m
+            t0 += BT
+            step = t0 >= Tk
+            o_x0 += BT * stride_xk + tl.where(step, jump_x, 0)
+            o_m0 += BT * stride_mk + tl.where(step, jump_m, 0)
+            t0 = tl.where(step, t0 - Tk, t0).to(tl.int32)
+        else:
+            # Tk < BT (short or heavily subsampled sequences): int32 division of small numbers
+            o_t = t0 + o_i  # < Tk + BT
+            o_b = b0 + (o_t // Tk).to(tl.int64)
+            o_t = (o_t % Tk).to(tl.int64)
+            o_row = o_b * stride_xb + o_t * stride_xk
+            o_mrow = o_b * stride_mb + o_t * stride_mk
+            t0 += BT
+            b0 += (t0 // Tk).to(tl.int64)
+            t0 = (t0 % Tk).to(tl.int32)
+        if HAS_MASK:
+            keep = m_r & (tl.load(p_mask + o_mrow, mask=m_r, other=0) != 0)
+        else:
+            keep = m_r
+        b_x = tl.load((p_xs + o_row)[:, None] + p_xd[None, :], mask=keep[:, None] & m_d[None, :], other=0)
+        if EXACT:
+            b_xf = b_x.to(tl.float32)
+            # x − x is 0 for finite x and NaN for NaN/±Inf: one test for both
+            ok = tl.sum(((b_xf - b_xf) != 0).to(tl.int32), axis=1) == 0
+            valid = keep & ok
+            b_rej += (keep & ~ok).to(tl.int32)
+        else:
+            valid = keep
+        b_n += valid.to(tl.int32)
+        if CENTER or EXACT:
+            b_a = _prep_block(b_x, valid[:, None] & m_d[None, :], b_c, CENTER)
+        else:
+            b_a = b_x  # the masked load already zeroed what is not valid
+        b_G = _gram_dot(b_a, b_a, b_G, SPLIT_BF16, UPCAST, PRECISION)
+        b_S += b_a.to(tl.float32)
+    return b_G, tl.sum(b_S, axis=0), tl.sum(b_n, axis=0), tl.sum(b_rej, axis=0)
+
+
+@triton.jit
 def _cov_partials_kernel(
     p_x, p_mask, p_status, p_c,
     p_G, p_s, p_n, p_rej,
@@ -234,7 +351,7 @@ def _cov_partials_kernel(
     ROW_STEP,
     HAS_MASK: tl.constexpr, FUSED_STATUS: tl.constexpr, CENTER: tl.constexpr,
     SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    NTILE: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    NTILE: tl.constexpr, TK_GE_BT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
 ):
     """One (tile of G, site, row split): partial Σ d dᵀ over rows [i_k·RPS, (i_k+1)·RPS).
 
@@ -254,35 +371,33 @@ def _cov_partials_kernel(
     p_xs = p_x + i_s.to(tl.int64) * stride_xs
     p_cs = p_c + i_s.to(tl.int64) * D
 
-    b_G = tl.zeros([BD, BD], dtype=tl.float32)
-    b_sum = tl.zeros([BD], dtype=tl.float32)
-    b_n = tl.zeros([BT], dtype=tl.int32)
-    b_rej = tl.zeros([BT], dtype=tl.int32)
-    for r0 in range(r_lo, r_hi, BT):
-        o_r = r0 + tl.arange(0, BT).to(tl.int64)
-        m_r = o_r < r_hi
-        o_b, o_t, o_row = _row_offsets(o_r, Tk, ROW_STEP, stride_xb, stride_xt)
-        p_row = p_xs + o_row
-        if FUSED_STATUS:
-            # the tile spans whole rows: finiteness comes from the same single read of x
-            keep = _row_keep(p_mask, o_b, o_t, m_r, stride_mb, stride_mt, HAS_MASK)
-            b_x = tl.load(p_row[:, None] + o_m[None, :].to(tl.int64) * stride_xd,
-                          mask=keep[:, None] & m_m[None, :], other=0)
-            b_xf = b_x.to(tl.float32)
-            ok = tl.sum(((b_xf - b_xf) != 0).to(tl.int32), axis=1) == 0
-            valid = keep & ok
-            b_n += valid.to(tl.int32)
-            b_rej += (keep & ~ok).to(tl.int32)
-            b_c = tl.load(p_cs + o_m, mask=m_m, other=0) if CENTER else None
-            b_a = _prep_block(b_x, valid[:, None] & m_m[None, :], b_c, CENTER)
-            b_b = b_a
-        else:
+    if FUSED_STATUS:
+        # fast pass: no per-row finiteness test; a NaN/±Inf in any kept row reaches Σd
+        b_G, b_sum, n_ok, n_rej = _fused_rows(
+            p_xs, p_mask, p_cs, r_lo, r_hi, Tk, ROW_STEP, stride_xb, stride_xt, stride_xd,
+            stride_mb, stride_mt, o_m, m_m, HAS_MASK, CENTER, SPLIT_BF16, UPCAST, PRECISION,
+            False, TK_GE_BT, BT, BD)
+        if tl.sum(((b_sum - b_sum) != 0).to(tl.int32), axis=0) != 0:
+            # some kept row is not finite (or Σd overflowed): redo this program's rows with
+            # the exact per-row test, so rejected rows are counted and never merged
+            b_G, b_sum, n_ok, n_rej = _fused_rows(
+                p_xs, p_mask, p_cs, r_lo, r_hi, Tk, ROW_STEP, stride_xb, stride_xt, stride_xd,
+                stride_mb, stride_mt, o_m, m_m, HAS_MASK, CENTER, SPLIT_BF16, UPCAST, PRECISION,
+                True, TK_GE_BT, BT, BD)
+    else:
+        b_G = tl.zeros([BD, BD], dtype=tl.float32)
+        b_sum = tl.zeros([BD], dtype=tl.float32)
+        for r0 in range(r_lo, r_hi, BT):
+            o_r = r0 + tl.arange(0, BT).to(tl.int64)
+            m_r = o_r < r_hi
+            o_b, o_t, o_row = _row_offsets(o_r, Tk, ROW_STEP, stride_xb, stride_xt)
+            p_row = p_xs + o_row
             b_st = tl.load(p_status + i_s.to(tl.int64) * N + o_r, mask=m_r, other=0)
             valid = b_st == 1
             b_a = _load_prepped(p_row, o_m, m_m, valid, p_cs, stride_xd, CENTER)
             b_b = _load_prepped(p_row, o_n, m_n, valid, p_cs, stride_xd, CENTER)
-        b_G = _gram_dot(b_a, b_b, b_G, SPLIT_BF16, UPCAST, PRECISION)
-        b_sum += tl.sum(b_a.to(tl.float32), axis=0)
+            b_G = _gram_dot(b_a, b_b, b_G, SPLIT_BF16, UPCAST, PRECISION)
+            b_sum += tl.sum(b_a.to(tl.float32), axis=0)
 
     o_out = (i_k.to(tl.int64) * S + i_s) * D
     p_Gk = p_G + o_out * D
@@ -298,5 +413,5 @@ def _cov_partials_kernel(
     if i_m != i_n:
         tl.store(p_Gk + o_n[None, :].to(tl.int64) * D + o_m[:, None], b_G, mask=m_G)
     if FUSED_STATUS:
-        tl.store(p_n + i_k.to(tl.int64) * S + i_s, tl.sum(b_n, axis=0))
-        tl.store(p_rej + i_k.to(tl.int64) * S + i_s, tl.sum(b_rej, axis=0))
+        tl.store(p_n + i_k.to(tl.int64) * S + i_s, n_ok)
+        tl.store(p_rej + i_k.to(tl.int64) * S + i_s, n_rej)

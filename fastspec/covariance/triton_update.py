@@ -15,7 +15,15 @@ Per call, with no host sync (sizes come from shapes only) on the current CUDA st
 3. ``_cov_partials_kernel``: grid (tile pairs of G, site, row split) writes fp32 partials to a
    workspace ``[SPLIT, S, D, D]``, each exactly symmetric (upper-triangle tiles stored with their
    mirror, diagonal tiles averaged with their transpose in-kernel); the split axis is then summed
-   by torch in a fixed order.
+   by torch in a fixed order. For D <= 128 (whole rows in one tile) a program merges its rows
+   without testing them one by one and reruns them with the exact per-row test only if its
+   Σd comes out non-finite (some kept row has a NaN/±Inf, or the sum overflowed).
+
+Grid and pipeline (:func:`launch_config`): for the keys shape ``[8, 2048, 8, 128]`` bf16 on an
+H100, 8 heads × 16 row splits = 128 programs of 1024 rows (one wave, one 8-warp program per
+SM), a 4-deep ``cp.async`` load pipeline for the uncentered (memory-bound) loop, and an 8.4 MB
+workspace (1/4 of the input). Predicted (a cost model, not a measurement; see the header of
+``triton_kernels.py``): ≈ 12.5 µs uncentered (~80 % of HBM bandwidth), ≈ 20 µs centered.
 """
 from __future__ import annotations
 
@@ -41,6 +49,11 @@ CENTER_ROWS = 64
 _empty = torch.empty
 
 
+# the fused kernel walks rows by carrying the first row's (b, t) from block to block when
+# every sequence has at least BT sampled rows (Tk >= BT); tests turn this off to check that
+# the general per-row (int32) indexing gives bitwise the same partials
+_ROW_CARRY = True
+
 # triton.jit reads TRITON_INTERPRET when the kernels are decorated (import time), so do we
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -58,6 +71,7 @@ class LaunchConfig(NamedTuple):
     num_warps: int
     split: int  # row splits (programs per (tile, site) along N)
     rows_per_split: int
+    num_stages: int = 3  # software-pipelining depth of the row loop's loads (Triton's num_stages)
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,7 +85,10 @@ def _rows_and_warps(BD: int, NTILE: int, elem_bytes: int) -> tuple[int, int]:
 
     Checked by compiling for sm_90 without a GPU and reading ``cuobjdump -res-usage``; fp32
     ``ieee`` dots run on the FMA units and are unrolled over the rows, hence short blocks (the
-    tiled fp32 kernel spills anyway: fp32 wide-D input is outside the envelope).
+    tiled fp32 kernel spills anyway: fp32 wide-D input is outside the envelope). At BD=128 the
+    fused kernel fits 64-row blocks too (250 registers) but saves only ~13 % of the loop's
+    instructions per row, and 16 warps (114 registers) issue ~1.6x more warp-instructions per
+    row block than 8 (each warp repeats the row-offset and pipeline bookkeeping).
     """
     if elem_bytes == 4:
         return 16, 8 if BD == 128 else 4
@@ -81,26 +98,49 @@ def _rows_and_warps(BD: int, NTILE: int, elem_bytes: int) -> tuple[int, int]:
 
 
 def launch_config(N: int, S: int, D: int, device: torch.device, elem_bytes: int,
-                  split: int | None = None) -> LaunchConfig:
+                  split: int | None = None, center: bool = True) -> LaunchConfig:
     """Tiles for ``[N rows, S sites, D]``: whole rows for D <= 128, else 128-wide tiles of G.
 
-    ``split`` (tests) forces the number of row splits; by default enough programs to fill the
-    GPU twice over, with at least ``2·D/elem_bytes·4`` rows per split so the fp32 workspace
-    (``D²·4`` bytes per split) stays under a quarter of the bytes of x it summarizes.
+    ``split`` (tests) forces the number of row splits. By default (fused path, D <= 128):
+
+    * one wave: ``S·split <= #SMs`` programs. The fused kernel holds a 128×128 fp32 ``G`` per
+      program and uses 180-245 registers per thread at 8 warps, so one program per SM is
+      resident; a second wave would leave most SMs idle in its tail (e.g. S = 5: 265 programs
+      on 132 SMs is 3 waves, the last with one program), so split = ``#SMs // S``, rounded down.
+    * latency hiding comes from the pipeline, not from more resident programs: Triton
+      software-pipelines the loop's x loads (``cp.async`` into shared memory, ``num_stages``
+      buffers of ``BT·BD`` elements), so with ``num_stages = 4`` each SM keeps 3 row blocks
+      (24 KB at BD = 128 bf16) in flight while it multiplies the current one, about what
+      Little's law asks of an H100 SM (3.35 TB/s × ~0.8 µs / 132 SMs ≈ 20 KB). A second
+      resident program would need <= 128 registers (ptxas spills the rare exact-fallback loop
+      and the epilogue then) and twice the splits, i.e. twice the workspace.
+    * workspace: at least ``16·D/elem_bytes`` rows per split, so the fp32 partials
+      (``D²·4`` bytes per split and site) stay <= 1/4 of the bytes of x they summarize: the
+      ``[split, S, D, D]`` workspace is written once and summed once by torch, and at this
+      size it stays in L2 (50 MB on H100) between the two.
+
+    keys ``[B=8, H=8, T=2048, D=128]`` bf16 on an H100 (132 SMs): split = min(132 // 8,
+    16384 / 1024) = 16, grid 8 × 16 = 128 programs (4 SMs idle: programs do not span sites),
+    1024 rows (32 blocks of 32) each, workspace 16·8·128²·4 = 8.4 MB (1/4 of the 33.6 MB read).
+    The tiled path (D > 128, many tile programs) keeps two programs' worth per SM as target.
     """
     BD = max(16, triton.next_power_of_2(D)) if D <= 128 else 128
     NTILE = triton.cdiv(D, BD)
     BT, num_warps = _rows_and_warps(BD, NTILE, elem_bytes)
     if split is None:
         pairs = S * NTILE * (NTILE + 1) // 2
-        target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
             if device.type == "cuda" else 1
+        target = sms // pairs if NTILE == 1 else triton.cdiv(2 * sms, pairs)
         min_rows = max(BT, 16 * D // elem_bytes)
-        split = max(1, min(triton.cdiv(target, pairs), triton.cdiv(N, min_rows)))
+        split = max(1, min(target, triton.cdiv(N, min_rows)))
     if not isinstance(split, int) or isinstance(split, bool) or split < 1:
         raise ValueError(f"split: expected an int >= 1, got {split!r}")
     rps = triton.cdiv(triton.cdiv(max(N, 1), split), BT) * BT
-    return LaunchConfig(BD, NTILE, BT, num_warps, triton.cdiv(max(N, 1), rps), rps)
+    # deeper load pipeline where the loop is memory bound (16-bit, uncentered, fused); the
+    # centered split (4 dots per block) is compute bound and keeps Triton's default
+    stages = 4 if NTILE == 1 and elem_bytes == 2 and not center else 3
+    return LaunchConfig(BD, NTILE, BT, num_warps, triton.cdiv(max(N, 1), rps), rps, stages)
 
 
 def _check(x: Tensor, mask: Tensor | None, row_step: int) -> None:
@@ -143,7 +183,7 @@ def covariance_partials_triton(x: Tensor, mask: Tensor | None = None, row_step: 
         zeros = torch.zeros(S, dtype=torch.int64, device=dev)
         return CovPartials(zeros, torch.zeros(S, D, **f32), torch.zeros(S, D, **f32),
                            torch.zeros(S, D, D, **f32), zeros.clone())
-    cfg = launch_config(N, S, D, dev, x.element_size(), split)
+    cfg = launch_config(N, S, D, dev, x.element_size(), split, bool(center))
     fused = cfg.NTILE == 1
     lowp = x.dtype in (torch.bfloat16, torch.float16)
     split_bf16 = bool(center) and lowp
@@ -178,7 +218,8 @@ def covariance_partials_triton(x: Tensor, mask: Tensor | None = None, row_step: 
             N, Tk, D, S, cfg.rows_per_split, **common,
             FUSED_STATUS=fused, CENTER=bool(center), SPLIT_BF16=split_bf16,
             UPCAST=_interpreting(), PRECISION="ieee",
-            NTILE=cfg.NTILE, BT=cfg.BT, BD=cfg.BD, num_warps=cfg.num_warps)
+            NTILE=cfg.NTILE, TK_GE_BT=_ROW_CARRY and Tk >= cfg.BT, BT=cfg.BT, BD=cfg.BD, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
 
     # fixed-order reduction of the row splits (a plain dim reduction: no atomics)
     # every split's G is exactly symmetric (the kernel symmetrizes diagonal tiles and mirrors
