@@ -241,11 +241,13 @@ FS_HD void update_column(const Team& team, int j, int n, Work<Real> wk, const Re
 // stores may alias the vectors as far as the compiler knows: loads after them would serialize).
 // Four interleaved partial sums for p: four independent FMA chains, and a rounding error bound
 // growing with n/4 terms instead of n.
-template <bool WITH_P, class Team, class Real>
+template <bool WITH_P, int kRowStride = 0, class Team, class Real>
 FS_HD void update_trailing(const Team& team, int c0, int r4, int n, Work<Real> wk, const Real* u, const Real* w,
                            const Real* u2, Real tau2, Real* p2) {
   Real* a = wk.a;
-  const int rs = wk.rs, cs = wk.cs;
+  // kRowStride > 0: the row stride as a compile-time constant (the kernel's padded n = 128
+  // layout), so the four rows' addresses are immediate offsets of one pointer
+  const int rs = kRowStride > 0 ? kRowStride : wk.rs, cs = wk.cs;
   for (int c = c0 + team.rank(); c < n; c += team.size()) {
     const Real uc = u[c], wc = w[c];
     Real s0 = 0, s1 = 0, s2 = 0, s3 = 0;
@@ -284,6 +286,8 @@ FS_PRAGMA(unroll 1)
   }
 }
 
+constexpr int kPaddedRows128 = 129;  // row stride of the kernel's padded 128 x 128 matrix
+
 // w = p - (tau/2)(p.u) u on [r0, n), in place over p; w = 0 on [r0 & ~3, r0). Ends with a barrier.
 template <class Team, class Real>
 FS_HD void finish_w(const Team& team, int r0, int n, Real tau, const Real* u, Real* p) {
@@ -312,7 +316,10 @@ FS_HD void tridiagonalize(const Team& team, int n, Work<Real> wk) {
     team.sync();
     const Real tau2 = make_reflector(team, j, n, wk, u2);
     team.sync();
-    update_trailing<true>(team, j + 1, j & ~3, n, wk, u, w, u2, tau2, p2);
+    if (wk.rs == kPaddedRows128)  // uniform; the aimed-for size gets constant row offsets
+      update_trailing<true, kPaddedRows128>(team, j + 1, j & ~3, n, wk, u, w, u2, tau2, p2);
+    else
+      update_trailing<true>(team, j + 1, j & ~3, n, wk, u, w, u2, tau2, p2);
     team.sync();
     Real* t = u; u = u2; u2 = t;
     t = w; w = p2; p2 = t;

@@ -16,10 +16,11 @@
 // Cost model, fp32 n = 128, 4 warps per matrix (SASS from nvcc 13.0 for sm_90, counted by
 // fastspec.bench.sass; tests/test_eig_sass.py keeps the counts honest). Per matrix:
 //   * tridiagonalization, one fused pass per reflector (rank-2 update of reflector j-1 + p of
-//     reflector j): 8.25 instructions and 2.75 shared wavefronts per element and warp (3 FFMA,
-//     LDS + STS of the element, 3/4 LDS.128 broadcast of u, w, u_next; 66 instructions per
-//     8-row iteration). Sum over reflectors of warps x rows: 26.0k warp-iterations -> ~215k
-//     instructions, ~72k wavefronts. Per-reflector rest (column update, reflector, w, 5 barriers):
+//     reflector j): 2.75 shared wavefronts per element and warp (3 FFMA, LDS + STS of the
+//     element, 3/4 LDS.128 broadcast of u, w, u_next) and 7.4 instructions (59 per 8-row
+//     iteration with n = 128's row stride a compile-time constant; 8.25 for other n). Sum over
+//     reflectors of warps x rows: 26.0k warp-iterations -> ~193k instructions, ~72k wavefronts.
+//     Per-reflector rest (column update, reflector, w, 5 barriers):
 //     ~120 instructions per warp -> ~60k. (Before: a generic-pointer p pass + a separate update,
 //     ~16 instructions and 3.75 accesses per element, 7 barriers per reflector.)
 //   * eigenvalues: one Sturm sweep at 127 grid points brackets each eigenvalue to 1/128 of the
@@ -27,9 +28,9 @@
 //     instructions (LDS.64 of (e^2, d), FADD, MUFU.RCP, FFMA, pivmin guard, sign-bit count; no
 //     IEEE-division slow path) -> ~80k instructions, ~10k wavefronts. Rank sort: ~3k.
 //   * load (coalesced row reads, 8 rows in flight per thread) + exact power-of-two scaling: ~12k.
-//   => ~370k warp instructions and ~83k shared wavefronts per matrix. An SM issues 4 warp
-//      instructions and one shared wavefront per cycle: ~93k cycles issue bound, ~83k shared
-//      bound. 4096 matrices = 31 per SM: PREDICTED ~1.5-1.7 ms on H100 SXM (1.75-1.98 GHz),
+//   => ~350k warp instructions and ~83k shared wavefronts per matrix. An SM issues 4 warp
+//      instructions and one shared wavefront per cycle: ~87k cycles issue bound, ~83k shared
+//      bound. 4096 matrices = 31 per SM: PREDICTED ~1.4-1.6 ms on H100 SXM (1.75-1.98 GHz),
 //      if 12 warps per SM hide the latencies. Target <= 2 ms; the 1 ms stretch needs the matrix
 //      in registers (2 threads per column, no LDS/STS of the element: ~4 instructions per
 //      element and reflector). NOT MEASURED on a GPU yet.

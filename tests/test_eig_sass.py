@@ -67,24 +67,26 @@ def test_matrix_accesses_are_shared_memory_instructions(sm90):
     assert k.full_ops["LDS.128"] >= 3  # the Householder vectors' broadcasts (load4)
 
 
-def _update_loop(k):
-    """The fused rank-2 update + next p loop: the innermost loop with the most FFMAs that stores to
-    shared memory (one STS per matrix element)."""
-    loops = [lp for lp in k.innermost() if lp.ops["STS"] and lp.ops["LDS"]]
-    return max(loops, key=lambda lp: lp.ops["FFMA"])
+def _update_loops(k):
+    """The fused rank-2 update + next p loops: innermost loops with 3 FFMAs per shared store (one
+    STS per matrix element). The generic one and the n = 128 one (constant row stride)."""
+    return [lp for lp in k.innermost() if lp.ops["STS"] >= 4 and lp.ops["FFMA"] == 3 * lp.ops["STS"]]
 
 
 def test_fused_update_loop(sm90):
     """Per matrix element and reflector: 3 FMAs (two for the update, one for the next p), one
     shared load and one store of the element, 3/4 of a broadcast of u, w, u_next: 2.75 shared
-    instructions and about 8 instructions in all (the model in the eig_cuda.cu header)."""
+    instructions, ~8 instructions in all, ~7.4 with n = 128's constant row offsets (the model
+    in the eig_cuda.cu header)."""
     _, sass = sm90
-    lp = _update_loop(sass[_name(sass, "f", True)])
-    elems = lp.ops["STS"]
-    assert elems >= 4
-    assert lp.ops["FFMA"] == 3 * elems, lp.ops
-    assert (lp.ops["LDS"] + lp.ops["STS"]) / elems <= 2.75, lp.ops
-    assert lp.size / elems <= 9.0, (lp.size, elems, lp.ops)
+    loops = _update_loops(sass[_name(sass, "f", True)])
+    assert len(loops) >= 2, "expected a generic and an n = 128 fused update loop"
+    per_elem = []
+    for lp in loops:
+        elems = lp.ops["STS"]
+        assert (lp.ops["LDS"] + lp.ops["STS"]) / elems <= 2.75, lp.ops
+        per_elem.append(lp.size / elems)
+    assert max(per_elem) <= 9.0 and min(per_elem) <= 7.6, per_elem
 
 
 def test_sturm_loop_has_no_division_slow_path(sm90):
