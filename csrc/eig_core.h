@@ -147,6 +147,33 @@ constexpr int kGrid = 128;  // grid cells of the bisection's first, team-wide co
 // Reals of the six vectors of Work, d..p2, for the host twin (each n long, p2 >= kGrid).
 inline constexpr int64_t work_vector_elems(int64_t n) { return 5 * n + (n > kGrid ? n : kGrid); }
 
+FS_HD constexpr int64_t round_up4(int64_t x) { return (x + 3) & ~int64_t(3); }
+
+// The CUDA kernel's layout of one block's work arrays (eig_cuda.cu; the team emulation in
+// eig_host.cpp runs on the same): [the matrix, n rows of stride n + 1, when it lives here]
+// [d, e, v, w, v2: round_up4(n) each] [p2: max(round_up4(n), kGrid)]. Every vector starts
+// 16-byte aligned (load4, load2), w directly follows v, and the padded rows put a column's
+// entries in distinct shared-memory banks. A matrix elsewhere (the global workspace) is dense.
+FS_HD constexpr int64_t block_work_elems(int n, bool matrix_here) {
+  return (matrix_here ? round_up4(static_cast<int64_t>(n) * (n + 1)) : 0) + 5 * round_up4(n) +
+         (round_up4(n) > kGrid ? round_up4(n) : kGrid);
+}
+template <class Real> FS_HD Work<Real> block_work(Real* base, Real* matrix_elsewhere, int n) {
+  const int64_t n4 = round_up4(n);
+  Work<Real> wk;
+  wk.rs = matrix_elsewhere ? n : n + 1;
+  wk.cs = 1;
+  wk.a = matrix_elsewhere ? matrix_elsewhere : base;
+  wk.d = base + (matrix_elsewhere ? 0 : round_up4(static_cast<int64_t>(n) * (n + 1)));
+  wk.e = wk.d + n4;
+  wk.v = wk.e + n4;
+  wk.w = wk.v + n4;
+  wk.v2 = wk.w + n4;
+  wk.p2 = wk.v2 + n4;
+  return wk;
+}
+constexpr int kPaddedRows128 = 128 + 1;  // block_work's row stride at the aimed-for n = 128
+
 // Step 1: mirror the lower triangle of in (strides sr, sc in elements) into wk.a.
 // Returns max |a_ij| over the lower triangle, +inf if any entry there is NaN/Inf.
 // Rows are walked in step by the whole team (member = column), so a warp reads one row's
@@ -285,8 +312,6 @@ FS_PRAGMA(unroll 1)
     if (WITH_P) p2[c] = tau2 * ((s0 + s1) + (s2 + s3));
   }
 }
-
-constexpr int kPaddedRows128 = 129;  // row stride of the kernel's padded 128 x 128 matrix
 
 // w = p - (tau/2)(p.u) u on [r0, n), in place over p; w = 0 on [r0 & ~3, r0). Ends with a barrier.
 template <class Team, class Real>

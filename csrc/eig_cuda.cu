@@ -82,8 +82,6 @@ struct BlockTeam {
 
 constexpr int kMaxThreads = 256;
 
-__host__ __device__ constexpr int64_t round_up4(int64_t x) { return (x + 3) & ~int64_t(3); }
-
 // The matrix's location is a template parameter, not a run-time choice: with kSmem the compiler
 // sees every matrix pointer derive from the __shared__ array and emits LDS/STS (a run-time select
 // between shared and global memory compiles to generic LD/ST, slower on every access).
@@ -99,27 +97,15 @@ eigvalsh_batched_kernel(const Real* __restrict__ in, Real* __restrict__ out, Rea
                         int64_t sb, int64_t sr, int64_t sc, int64_t osb) {
   extern __shared__ __align__(16) double smem_f64[];
   Real* sm = reinterpret_cast<Real*>(smem_f64);
-  const int n4 = round_up4(n);  // every vector starts 16-byte aligned (load4 in eig_core.h)
-  Work<Real> wk;
-  wk.rs = kSmem ? n + 1 : n;  // padded in shared memory: conflict-free column access
-  wk.cs = 1;
-  wk.a = kSmem ? sm : work + static_cast<int64_t>(blockIdx.x) * n * n;
-  wk.d = kSmem ? sm + round_up4(static_cast<int64_t>(n) * (n + 1)) : sm;
-  wk.e = wk.d + n4;
-  wk.v = wk.e + n4;
-  wk.w = wk.v + n4;
-  wk.v2 = wk.w + n4;
-  wk.p2 = wk.v2 + n4;
-  BlockTeam team{wk.p2 + (n4 > kGrid ? n4 : kGrid), 0u};
+  const Work<Real> wk = block_work(sm, kSmem ? nullptr : work + static_cast<int64_t>(blockIdx.x) * n * n, n);
+  BlockTeam team{sm + block_work_elems(n, kSmem), 0u};  // reduction scratch after the work arrays
   for (int64_t b = blockIdx.x; b < batch; b += gridDim.x)
     eigvalsh_one(team, in + b * sb, sr, sc, n, out + b * osb, wk);
 }
 
 template <class Real> size_t smem_bytes(int n, bool matrix_in_smem) {
-  // padded matrix (n rows of n + 1), six vectors (the last >= kGrid), 2 x 32 reals of reduction scratch
-  const int64_t padded = static_cast<int64_t>(n) * (n + 1), n4 = round_up4(n);
-  return sizeof(Real) * static_cast<size_t>((matrix_in_smem ? round_up4(padded) : 0) + 5 * n4 +
-                                            (n4 > kGrid ? n4 : kGrid) + 64);
+  // the work arrays (eig_core.h's block layout), then 2 x 32 reals of reduction scratch
+  return sizeof(Real) * static_cast<size_t>(block_work_elems(n, matrix_in_smem) + 64);
 }
 
 void check(cudaError_t err, const char* what) {

@@ -100,24 +100,12 @@ struct ThreadTeam {
 
 template <class Real>
 void team_eigvalsh(const Real* in, Real* out, int64_t batch, int n, int64_t sb, int64_t sr, int64_t sc, int64_t osb) {
-  auto up4 = [](int64_t x) { return (x + 3) & ~int64_t(3); };
-  const int64_t n4 = up4(n);
   int nt = (n + 31) / 32 * 32;
   if (nt > ThreadTeam::kMaxLanes) nt = ThreadTeam::kMaxLanes;
-  // the kernel's shared-memory layout (eig_cuda.cu, kSmem = true)
-  std::vector<Real> sm(static_cast<size_t>(up4(static_cast<int64_t>(n) * (n + 1)) + 5 * n4 +
-                                           (n4 > kGrid ? n4 : kGrid)) + 2);
+  // the kernel's shared-memory layout (eig_cuda.cu with the matrix in shared memory)
+  std::vector<Real> sm(static_cast<size_t>(block_work_elems(n, true)));
   std::vector<Real> scratch(2 * ThreadTeam::kMaxLanes);
-  Work<Real> wk;
-  wk.rs = n + 1;
-  wk.cs = 1;
-  wk.a = sm.data();
-  wk.d = wk.a + up4(static_cast<int64_t>(n) * (n + 1));
-  wk.e = wk.d + n4;
-  wk.v = wk.e + n4;
-  wk.w = wk.v + n4;
-  wk.v2 = wk.w + n4;
-  wk.p2 = wk.v2 + n4;
+  const Work<Real> wk = block_work(sm.data(), static_cast<Real*>(nullptr), n);
   Barrier bar(nt);
   std::vector<std::thread> threads;
   for (int me = 0; me < nt; ++me) {
