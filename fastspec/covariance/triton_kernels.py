@@ -114,15 +114,22 @@ def _row_keep(p_mask, o_b, o_t, m_r, stride_mb, stride_mt, HAS_MASK: tl.constexp
 
 
 @triton.jit
+def _nonfinite(b_x, axis: tl.constexpr):
+    """How many NaN/±Inf values ``b_x`` holds along ``axis``: x − x is 0 for finite x and NaN
+    for NaN/±Inf, one test for both."""
+    b_f = b_x.to(tl.float32)
+    return tl.sum(((b_f - b_f) != 0).to(tl.int32), axis=axis)
+
+
+@triton.jit
 def _count_nonfinite(p_row, keep, D, stride_xd, ROWS: tl.constexpr, BD: tl.constexpr):
     """Per kept row, how many of its D values are NaN/±Inf (one pass over D in BD tiles)."""
     b_bad = tl.zeros([ROWS], dtype=tl.int32)
     for i_d in range(0, tl.cdiv(D, BD)):
         o_d = i_d * BD + tl.arange(0, BD)
         b_x = tl.load(p_row[:, None] + o_d[None, :].to(tl.int64) * stride_xd,
-                      mask=keep[:, None] & (o_d < D)[None, :], other=0).to(tl.float32)
-        # x − x is 0 for finite x and NaN for NaN/±Inf: one test for both
-        b_bad += tl.sum(((b_x - b_x) != 0).to(tl.int32), axis=1)
+                      mask=keep[:, None] & (o_d < D)[None, :], other=0)
+        b_bad += _nonfinite(b_x, 1)
     return b_bad
 
 
@@ -325,9 +332,7 @@ def _fused_rows(
             keep = m_r
         b_x = tl.load((p_xs + o_row)[:, None] + p_xd[None, :], mask=keep[:, None] & m_d[None, :], other=0)
         if EXACT:
-            b_xf = b_x.to(tl.float32)
-            # x − x is 0 for finite x and NaN for NaN/±Inf: one test for both
-            ok = tl.sum(((b_xf - b_xf) != 0).to(tl.int32), axis=1) == 0
+            ok = _nonfinite(b_x, 1) == 0
             valid = keep & ok
             b_rej += (keep & ~ok).to(tl.int32)
         else:
@@ -377,7 +382,7 @@ def _cov_partials_kernel(
             p_xs, p_mask, p_cs, r_lo, r_hi, Tk, ROW_STEP, stride_xb, stride_xt, stride_xd,
             stride_mb, stride_mt, o_m, m_m, HAS_MASK, CENTER, SPLIT_BF16, UPCAST, PRECISION,
             False, TK_GE_BT, BT, BD)
-        if tl.sum(((b_sum - b_sum) != 0).to(tl.int32), axis=0) != 0:
+        if _nonfinite(b_sum, 0) != 0:
             # some kept row is not finite (or Σd overflowed): redo this program's rows with
             # the exact per-row test, so rejected rows are counted and never merged
             b_G, b_sum, n_ok, n_rej = _fused_rows(
