@@ -3,7 +3,7 @@
 Every function takes *records* in the tidy format of :class:`fastspec.Record` — a list of
 ``Record``s, a list of dicts, or a ``pandas.DataFrame`` with the columns
 
-    step, tokens_seen, site, layer, head, metric, value   (+ optional ``condition``, ``width``)
+    step, tokens_seen, site, layer, head_index, metric, value   (+ optional ``protocol``, ``condition``, ``width``)
 
 and returns a ``pandas.DataFrame``. Records hold one value per (layer, head); per-layer values
 are the mean over heads, whole-model values the mean over layers of those (the aggregation of
@@ -32,7 +32,7 @@ __all__ = [
     "tail_fits",
 ]
 
-RECORD_COLUMNS = ["step", "tokens_seen", "site", "layer", "head", "metric", "value"]
+RECORD_COLUMNS = ["step", "tokens_seen", "site", "layer", "head_index", "metric", "value"]
 # The key-rank study's headline quantity (docs/protocols.md) and the default everywhere below.
 KEY_SITE, KEY_METRIC = "keys", "participation_ratio"
 
@@ -58,13 +58,17 @@ def to_frame(records) -> pd.DataFrame:
         df = pd.DataFrame(rows, columns=None if rows else RECORD_COLUMNS)
     else:
         raise TypeError(f"records: expected a list of Records/dicts or a DataFrame, got {type(records).__name__}")
+    if "head" in df.columns and "head_index" not in df.columns:  # files written before the rename
+        df = df.rename(columns={"head": "head_index"})
     missing = [c for c in RECORD_COLUMNS if c not in df.columns]
     if missing:
         raise ValueError(f"records: missing columns {missing}")
     if "condition" not in df.columns:
         df["condition"] = ""
     df["condition"] = df["condition"].fillna("").astype(str)
-    for col in ("step", "layer", "head", "tokens_seen"):  # nullable ints: None stays <NA>, 3 stays 3
+    if "protocol" not in df.columns:
+        df["protocol"] = None
+    for col in ("step", "layer", "head_index", "tokens_seen"):  # nullable ints: None stays <NA>, 3 stays 3
         df[col] = pd.to_numeric(df[col], errors="coerce").astype("Int64")
     df["value"] = pd.to_numeric(df["value"], errors="coerce").astype(float)
     return df

@@ -51,8 +51,12 @@ def test_to_frame_accepts_records_dicts_and_frames():
     b = analysis.to_frame([r.as_dict() for r in recs])
     c = analysis.to_frame(a)
     for df in (a, b, c):
-        assert list(df.loc[0, ["site", "layer", "head", "value", "condition"]]) == ["keys", 1, 2, 3.0, ""]
+        assert list(df.loc[0, ["site", "layer", "head_index", "value", "condition"]]) == ["keys", 1, 2, 3.0, ""]
     assert analysis.to_frame([]).empty
+    # files written before the head column was renamed still load
+    old = {k: v for k, v in recs[0].as_dict().items() if k not in ("head_index", "protocol")} | {"head": 2}
+    df = analysis.to_frame([old])
+    assert df.loc[0, "head_index"] == 2 and "head" not in df.columns
 
 
 @pytest.mark.parametrize("bad, exc, name", [

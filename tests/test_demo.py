@@ -142,7 +142,7 @@ def test_report_survives_a_diverged_condition(tmp_path):
             for layer in (0, 1):
                 for head in (0, 1):
                     rows.append({"step": step, "tokens_seen": step * 64, "site": "keys", "layer": layer,
-                                 "head": head, "metric": "participation_ratio", "value": pr(step, layer),
+                                 "head_index": head, "metric": "participation_ratio", "value": pr(step, layer),
                                  "condition": cond})
     (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     np.savez(tmp_path / "spectra.npz", **{"ok/ffn/layer1": np.arange(64, 0, -1.0) ** -1.0,
@@ -162,7 +162,7 @@ def test_report_of_a_width_sweep_fits_and_plots_it(tmp_path):
     for width in (64, 128, 256, 512):
         for layer in range(3):
             for metric, beta in (("participation_ratio", 0.8), ("entropy_rank", 0.9)):
-                rows.append({"step": 0, "tokens_seen": 0, "site": "ffn", "layer": layer, "head": None,
+                rows.append({"step": 0, "tokens_seen": 0, "site": "ffn", "layer": layer, "head_index": None,
                              "metric": metric, "value": (1 + 0.05 * layer) * width ** beta, "width": width})
     (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["report", str(tmp_path)]) == 0
@@ -178,7 +178,7 @@ def test_report_pairs_only_conditions_that_have_the_site(tmp_path):
         for site in sites:
             for step in (0, 10):
                 for layer in (0, 1):
-                    rows.append({"step": step, "tokens_seen": step, "site": site, "layer": layer, "head": 0,
+                    rows.append({"step": step, "tokens_seen": step, "site": site, "layer": layer, "head_index": 0,
                                  "metric": "participation_ratio", "value": 4.0 + layer - step / 10,
                                  "condition": cond})
     (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -40,6 +40,20 @@ def test_scalars_aggregate_heads_then_layers():
         scalars([1.0])
 
 
+def test_scalars_and_heatmap_keep_eval_and_streaming_apart():
+    from dataclasses import replace
+
+    evals = [replace(r, protocol="eval") for r in _records()]
+    stream = [replace(r, protocol="stream", value=r.value + 100.0) for r in _records()]
+    got = scalars(evals + stream)
+    assert got["fastspec/keys/participation_ratio/mean"] == pytest.approx(7.0)
+    assert got["fastspec/stream/keys/participation_ratio/mean"] == pytest.approx(107.0)
+    assert np.array_equal(heatmap(stream + evals), heatmap(_records()))
+    # dicts from an older records file name the head "head"
+    old = [{("head" if k == "head_index" else k): v for k, v in r.as_dict().items()} for r in _records()]
+    assert np.array_equal(heatmap(old), heatmap(_records()))
+
+
 def test_heatmap_grid_and_image():
     grid = heatmap(_records())
     assert grid.shape == (2, 3) and grid[1, 2] == 13.0

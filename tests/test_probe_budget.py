@@ -373,13 +373,13 @@ def test_ffn_rows_all_int_and_measure(name):
 def test_cuda_records_arrive_asynchronously_and_match_cpu():
     model = build("llama")
     inputs = batch(pad="right")
-    want = {(r.site, r.layer, r.head, r.metric): r.value for r in fastspec.Probe(model).measure(inputs, step=0)}
+    want = {(r.site, r.layer, r.head_index, r.metric): r.value for r in fastspec.Probe(model).measure(inputs, step=0)}
     model = model.cuda()
     probe = fastspec.Probe(model, emit_every=1, ffn_rows="all")
     with probe.streaming():
         model(**{k: v.cuda() for k, v in inputs.items()})
         probe.step(0)
-    got = {(r.site, r.layer, r.head, r.metric): r.value for r in probe.records() if r.site != "probe"}
+    got = {(r.site, r.layer, r.head_index, r.metric): r.value for r in probe.records() if r.site != "probe"}
     assert got.keys() == want.keys()
     for k, v in want.items():
         assert got[k] == pytest.approx(v, rel=1e-3, abs=1e-6), k  # fp32 eigensolve on CUDA

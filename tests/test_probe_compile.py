@@ -26,7 +26,7 @@ def _probe(model, name: str, **kw) -> fastspec.Probe:
 
 
 def _values(records) -> dict:
-    return {(r.step, r.site, r.layer, r.head, r.metric): r.value for r in records
+    return {(r.step, r.site, r.layer, r.head_index, r.metric): r.value for r in records
             if r.site != "probe"}  # overhead_fraction: a timing, not a statistic
 
 

@@ -49,7 +49,7 @@ def _worker(rank: int, tmpdir: str) -> None:
 
 
 def _values(records):
-    return {(r.site, r.layer, r.head, r.metric): r.value for r in records}
+    return {(r.site, r.layer, r.head_index, r.metric): r.value for r in records}
 
 
 def test_two_rank_gloo_merge_equals_single_process(tmp_path):
@@ -89,5 +89,5 @@ def test_two_rank_gloo_merge_equals_single_process(tmp_path):
 def test_tensor_parallel_rank_reports_global_head_indices():
     model = build("llama")  # 2 KV heads, 4 query heads per (pretend) TP shard
     records = fastspec.Probe(model, queries=True, ffn=False, tp_rank=1).measure(batch(), step=0)
-    assert {r.head for r in records if r.site == "keys"} == {2, 3}
-    assert {r.head for r in records if r.site == "queries"} == {4, 5, 6, 7}
+    assert {r.head_index for r in records if r.site == "keys"} == {2, 3}
+    assert {r.head_index for r in records if r.site == "queries"} == {4, 5, 6, 7}

@@ -63,7 +63,7 @@ def _tensor_parallel():
 
 
 def _values(records) -> dict:
-    return {(r.site, r.layer, r.head, r.metric): r.value for r in records}
+    return {(r.site, r.layer, r.head_index, r.metric): r.value for r in records}
 
 
 def _assert_same(got: dict, want: dict, rel: float = 1e-6) -> None:

@@ -88,7 +88,7 @@ def _key_rank_by_hand(K: torch.Tensor) -> torch.Tensor:
 
 
 def _probe_values(records, site, metric) -> dict[tuple, float]:
-    return {(r.layer, r.head): r.value for r in records if r.site == site and r.metric == metric}
+    return {(r.layer, r.head_index): r.value for r in records if r.site == site and r.metric == metric}
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2", "bert"])
@@ -192,7 +192,7 @@ def test_spectra_without_a_batch_are_the_streaming_totals():
 def test_queries_per_query_head_and_gqa_keys_per_kv_head():
     model = build("llama")  # 4 query heads, 2 KV heads
     records = fastspec.Probe(model, queries=True, ffn=False).measure(batch(), step=0)
-    heads = lambda site: {r.head for r in records if r.site == site and r.layer == 0}
+    heads = lambda site: {r.head_index for r in records if r.site == site and r.layer == 0}
     assert heads("keys") == {0, 1}
     assert heads("queries") == {0, 1, 2, 3}
 

@@ -24,7 +24,7 @@ def _attention_functions():
 
 
 def _by_key(records, metric="participation_ratio"):
-    return {(r.site, r.layer, r.head): r.value for r in records if r.metric == metric}
+    return {(r.site, r.layer, r.head_index): r.value for r in records if r.metric == metric}
 
 
 def _train_step(model, inputs):
@@ -204,7 +204,7 @@ def test_state_dict_round_trip_resumes_exactly():
     a, b = full.records(), resumed.records()
     assert len(a) == len(b) > 0
     for ra, rb in zip(a, b):
-        assert (ra.site, ra.layer, ra.head, ra.metric, ra.step) == (rb.site, rb.layer, rb.head, rb.metric, rb.step)
+        assert (ra.site, ra.layer, ra.head_index, ra.metric, ra.step) == (rb.site, rb.layer, rb.head_index, rb.metric, rb.step)
         if ra.site != "probe":  # the overhead record is a timing
             assert rb.value == pytest.approx(ra.value, rel=1e-12, abs=1e-12)
 
@@ -221,9 +221,41 @@ def test_records_dataframe_and_memory_independent_of_sequence_length():
         sizes.append(sum(t.numel() for e in probe.state_dict()["accumulators"] for t in e["state"].values()))
         df = probe.to_dataframe()
     assert sizes[0] == sizes[1]
-    assert list(df.columns) == ["step", "tokens_seen", "site", "layer", "head", "metric", "value"]
+    assert list(df.columns) == ["step", "tokens_seen", "site", "layer", "head_index", "metric", "value",
+                                "protocol"]
     assert len(df) == len(probe.records()) and isinstance(df, pd.DataFrame)
     assert probe.records()[0].as_dict().keys() == set(df.columns)
+    # integers stay integers (nullable: a per-layer site has no head), and DataFrame.head still works
+    assert {str(df[c].dtype) for c in ("step", "tokens_seen", "layer", "head_index")} == {"Int64"}
+    assert df["head_index"].isna().any() and df["head_index"].notna().any()
+    assert len(df.head(2)) == 2 and set(df["protocol"]) == {"stream"}
+
+
+def test_records_say_which_protocol_measured_them():
+    """An eval measurement and a streaming emission of the same step share every column but
+    ``value`` and ``protocol``: the protocol is what keeps a groupby from averaging them."""
+    model = build("llama")
+    probe = fastspec.Probe(model, emit_every=1)
+    with probe.streaming():
+        model(**batch(B=2, T=8))
+        stream = probe.step(3)
+    evals = probe.measure(batch(B=2, T=8), step=3)
+    assert stream and evals
+    assert {r.protocol for r in stream} == {"stream"} and {r.protocol for r in evals} == {"eval"}
+    key = lambda r: (r.step, r.site, r.layer, r.head_index, r.metric)
+    assert {key(r) for r in evals} <= {key(r) for r in stream}
+    df = probe.to_dataframe()
+    assert not df.duplicated(["step", "site", "layer", "head_index", "metric", "protocol"]).any()
+    # a state_dict keeps the protocol, and one written before it existed (and with "head") loads
+    again = fastspec.Probe(model)
+    again.load_state_dict(probe.state_dict())
+    assert [r.protocol for r in again.records()] == [r.protocol for r in probe.records()]
+    old = probe.state_dict()
+    old["history"] = [{("head" if k == "head_index" else k): v for k, v in r.items() if k != "protocol"}
+                      for r in old["history"]]
+    again.load_state_dict(old)
+    assert [r.head_index for r in again.records()] == [r.head_index for r in probe.records()]
+    assert {r.protocol for r in again.records()} == {None}
 
 
 def test_plain_module_with_module_sites():

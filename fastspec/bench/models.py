@@ -212,7 +212,7 @@ def probe_key_rank(records: list, L: int, H: int) -> torch.Tensor:
     out = torch.full((L, H), float("nan"), dtype=torch.float64)
     for r in records:
         if r.site == "keys" and r.metric == "participation_ratio":
-            out[r.layer, r.head] = r.value
+            out[r.layer, r.head_index] = r.value
     return out
 
 

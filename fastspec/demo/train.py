@@ -122,7 +122,7 @@ def _train_condition(condition: str, cfg: DemoConfig, train_tokens, batch_eval: 
         tokens = step * tokens_per_step
         rows = [{**r.as_dict(), "condition": condition}
                 for r in probe.measure(batch_eval, step=step, tokens_seen=tokens)]
-        loss_row = {"step": step, "tokens_seen": tokens, "site": "loss", "layer": None, "head": None,
+        loss_row = {"step": step, "tokens_seen": tokens, "site": "loss", "layer": None, "head_index": None,
                     "condition": condition}
         eval_loss = _eval_loss(model, batch_eval)
         rows.append({**loss_row, "metric": "eval_loss", "value": eval_loss})

@@ -23,12 +23,18 @@ __all__ = ["scalars", "heatmap", "heatmap_image", "as_dicts"]
 
 
 def as_dicts(records) -> list[dict]:
-    """Records (``Record``s or dicts) as dicts with the Record fields."""
+    """Records (``Record``s or dicts) as dicts with the Record fields (a dict from an older file
+    that names the head ``head`` gets ``head_index``; a missing ``protocol`` is None)."""
     out = []
     for r in records:
         if hasattr(r, "as_dict"):
             out.append(r.as_dict())
         elif isinstance(r, dict):
+            r = dict(r)
+            if "head" in r and "head_index" not in r:
+                r["head_index"] = r.pop("head")
+            r.setdefault("head_index", None)
+            r.setdefault("protocol", None)
             out.append(r)
         else:
             raise TypeError(f"records: expected Record objects or dicts, got {type(r).__name__}")
@@ -41,14 +47,19 @@ def scalars(records, prefix: str = "fastspec") -> dict[str, float]:
     ``{prefix}/{site}/{metric}/layer{l}``: mean over heads of layer l;
     ``{prefix}/{site}/{metric}/mean``: mean over layers of those;
     ``{prefix}/{site}/{metric}``: records outside the layer stack (``layer`` None), head-averaged.
+
+    Streaming records (``protocol="stream"``) get their own tags, ``{prefix}/stream/{site}/...``:
+    they measure other tokens than an eval measurement of the same step and are never averaged
+    with it.
     """
     per_layer: dict[tuple[str, str, int], list[float]] = defaultdict(list)
     loose: dict[tuple[str, str], list[float]] = defaultdict(list)
     for r in as_dicts(records):
+        site = f"stream/{r['site']}" if r.get("protocol") == "stream" else r["site"]
         if r["layer"] is None:
-            loose[(r["site"], r["metric"])].append(float(r["value"]))
+            loose[(site, r["metric"])].append(float(r["value"]))
         else:
-            per_layer[(r["site"], r["metric"], int(r["layer"]))].append(float(r["value"]))
+            per_layer[(site, r["metric"], int(r["layer"]))].append(float(r["value"]))
     out: dict[str, float] = {}
     layer_means: dict[tuple[str, str], list[float]] = defaultdict(list)
     for (site, metric, layer), vals in sorted(per_layer.items()):
@@ -65,18 +76,21 @@ def scalars(records, prefix: str = "fastspec") -> dict[str, float]:
 def heatmap(records, site: str = "keys", metric: str = "participation_ratio") -> np.ndarray:
     """``[layers, heads]`` array of one measurement's per-head values (NaN where absent).
 
-    Rows are the sorted layer indices present, columns the sorted head indices present.
+    Rows are the sorted layer indices present, columns the sorted head indices present. Given
+    both eval and streaming records, draws the eval ones.
     """
     rows = [r for r in as_dicts(records) if r["site"] == site and r["metric"] == metric
-            and r["layer"] is not None and r["head"] is not None]
+            and r["layer"] is not None and r["head_index"] is not None]
     if not rows:
         raise ValueError(f"records: no per-head records for {site}/{metric}")
+    if len({r["protocol"] for r in rows}) > 1:  # an eval and a streaming measurement: draw the eval one
+        rows = [r for r in rows if r["protocol"] == "eval"]
     layers = sorted({int(r["layer"]) for r in rows})
-    heads = sorted({int(r["head"]) for r in rows})
+    heads = sorted({int(r["head_index"]) for r in rows})
     grid = np.full((len(layers), len(heads)), np.nan)
     li, hi = {layer: i for i, layer in enumerate(layers)}, {h: i for i, h in enumerate(heads)}
     for r in rows:
-        grid[li[int(r["layer"])], hi[int(r["head"])]] = float(r["value"])
+        grid[li[int(r["layer"])], hi[int(r["head_index"])]] = float(r["value"])
     return grid
 
 

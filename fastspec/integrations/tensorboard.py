@@ -23,7 +23,7 @@ def log_to_tensorboard(writer, records, *, step: int | None = None, prefix: str 
     for tag, v in values.items():
         writer.add_scalar(tag, v, global_step=step)
     if heatmap_of is not None and any(r["site"] == heatmap_of[0] and r["metric"] == heatmap_of[1]
-                                      and r["head"] is not None for r in rows):
+                                      and r["head_index"] is not None for r in rows):
         img = heatmap_image(heatmap(rows, *heatmap_of))
         writer.add_image(f"{prefix}/{heatmap_of[0]}/{heatmap_of[1]}/heatmap", img, global_step=step,
                          dataformats="HWC")

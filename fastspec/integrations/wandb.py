@@ -23,7 +23,7 @@ def log_to_wandb(records, *, run=None, step: int | None = None, prefix: str = "f
     step = max(int(r["step"]) for r in rows) if step is None else step
     payload: dict = dict(scalars(rows, prefix))
     if heatmap_of is not None and any(r["site"] == heatmap_of[0] and r["metric"] == heatmap_of[1]
-                                      and r["head"] is not None for r in rows):
+                                      and r["head_index"] is not None for r in rows):
         payload[f"{prefix}/{heatmap_of[0]}/{heatmap_of[1]}/heatmap"] = wandb.Image(
             heatmap_image(heatmap(rows, *heatmap_of)), caption="rows: layers, columns: heads")
     run.log(payload, step=step)

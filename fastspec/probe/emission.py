@@ -115,10 +115,11 @@ class Emitter:
                 blocks[i] = torch.cat([cols[:, sl], torch.stack([lam_max, n, cov.rejected.double().reshape(-1)])])
         return blocks
 
-    def records(self, collector: Collector, step: int, tokens_seen: int | None,
+    def records(self, collector: Collector, step: int, tokens_seen: int | None, protocol: str,
                 extra: tuple[tuple[RecordKey, float], ...] = ()) -> PendingRecords | None:
         """Metrics of every site, plus γ and ``extra`` records, packed into one tensor headed
-        for the host; None when there is nothing to report (or this rank does not report)."""
+        for the host; None when there is nothing to report (or this rank does not report).
+        ``protocol``: ``"eval"`` or ``"stream"``, stamped on every record."""
         keys: list[RecordKey] = []
         values: list[Tensor] = []
         items = self._items(collector)
@@ -138,4 +139,4 @@ class Emitter:
             values.append(torch.tensor([float(value)], dtype=torch.float64, device=device))
         if not keys:
             return None
-        return PendingRecords(step, tokens_seen, keys, torch.cat([v.to(device) for v in values]))
+        return PendingRecords(step, tokens_seen, keys, torch.cat([v.to(device) for v in values]), protocol)

@@ -10,6 +10,9 @@ from dataclasses import fields
 
 from .record import PendingRecords, Record
 
+# Record fields that hold integers or None
+INT_COLUMNS = ("step", "tokens_seen", "layer", "head_index")
+
 
 class History:
     """The records of one probe, in the order they were emitted."""
@@ -42,17 +45,21 @@ class History:
         return list(self._records)
 
     def to_dataframe(self):
-        """:meth:`records` as a ``pandas.DataFrame`` with the :class:`Record` fields as columns."""
+        """:meth:`records` as a ``pandas.DataFrame`` with the :class:`Record` fields as columns.
+
+        ``step``, ``tokens_seen``, ``layer`` and ``head_index`` are nullable integers (``Int64``:
+        a per-layer site's missing head is ``<NA>``, and 3 stays 3 rather than 3.0)."""
         try:
             import pandas as pd
         except ImportError as e:  # optional dependency
             raise ImportError("to_dataframe needs pandas: pip install 'fastspec[plot]'") from e
         cols = [f.name for f in fields(Record)]
-        return pd.DataFrame([r.as_dict() for r in self.records()], columns=cols)
+        df = pd.DataFrame([r.as_dict() for r in self.records()], columns=cols)
+        return df.astype({c: "Int64" for c in INT_COLUMNS} | {"value": "float64"})
 
     def state_dict(self) -> list[dict]:
         return [r.as_dict() for r in self.records()]
 
     def load_state_dict(self, rows: list[dict]) -> None:
         self.flush()
-        self._records = [Record(**r) for r in rows]
+        self._records = [Record.from_dict(r) for r in rows]

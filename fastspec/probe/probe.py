@@ -246,7 +246,7 @@ class Probe:
             raise TypeError(f"step: expected an int, got {type(step).__name__}")
         self._check_batch(batch)
         collector = self._eval_forward(batch)
-        pending = self._emitter.records(collector, step, tokens_seen)
+        pending = self._emitter.records(collector, step, tokens_seen, "eval")
         records = [] if pending is None else pending.materialize()
         self._history.flush()
         self._history.extend(records)
@@ -333,7 +333,7 @@ class Probe:
             token = self._timer.start(self._stream.device)
             overhead = budget.average_fraction
             extra = () if overhead is None else ((("probe", None, None, "overhead_fraction"), overhead),)
-            self._history.add(self._emitter.records(self._stream, step, tokens_seen, extra=extra))
+            self._history.add(self._emitter.records(self._stream, step, tokens_seen, "stream", extra=extra))
             if self.reset_after_emit:
                 self._stream.reset()
             self._timer.stop(token, "emit")
