@@ -2,7 +2,10 @@
 
 Each builder returns a model in eval mode with dropout off; sizes are chosen so that a forward
 of a few short sequences takes milliseconds on CPU while keeping the interesting structure:
-GQA (Llama: 4 query heads, 2 KV heads), QK-norm (Qwen3), fused QKV (GPT-2), encoder (BERT).
+GQA (Llama: 4 query heads, 2 KV heads), QK-norm (Qwen3), fused QKV (GPT-2), encoder (BERT),
+and the other registered layouts: fused QKV with partial RoPE (GPT-NeoX), learned positions and
+a ``fc2`` FFN (OPT), fused ``qkv_proj``/``gate_up_proj`` (Phi-3), partial RoPE with an optional
+per-head ``qk_layernorm`` (Phi), Q/K-norm over the whole projection (OLMo 2/3).
 """
 from __future__ import annotations
 
@@ -50,7 +53,70 @@ def bert(**kw):
     return transformers.BertModel(cfg)
 
 
-BUILDERS = {"llama": llama, "qwen3": qwen3, "gpt2": gpt2, "bert": bert}
+def _randomize_norms(model, names=("k_norm", "q_norm")):
+    """A non-trivial learned γ in every attention block's ``names`` modules (gamma_cv not 0)."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for name in names:
+                norm = getattr(layer.self_attn, name, None)
+                if norm is not None:
+                    norm.weight.uniform_(0.5, 1.5)
+    return model
+
+
+def gpt_neox(**kw):
+    cfg = transformers.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     max_position_embeddings=64, **kw)
+    return transformers.GPTNeoXForCausalLM(cfg)
+
+
+def opt(**kw):
+    cfg = transformers.OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=48, word_embed_proj_dim=32,
+                                 num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+                                 dropout=0.0, attention_dropout=0.0, pad_token_id=0, bos_token_id=0,
+                                 eos_token_id=0, **kw)
+    return transformers.OPTForCausalLM(cfg)
+
+
+def phi3(**kw):
+    cfg = transformers.Phi3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=64, pad_token_id=0, bos_token_id=0,
+                                  eos_token_id=0, **kw)
+    return transformers.Phi3ForCausalLM(cfg)
+
+
+def phi(**kw):
+    cfg = transformers.PhiConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                 max_position_embeddings=64, **kw)
+    return _randomize_norms(transformers.PhiForCausalLM(cfg), ("k_layernorm", "q_layernorm"))
+
+
+def olmo(**kw):
+    cfg = transformers.OlmoConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=64, pad_token_id=0, **kw)
+    return transformers.OlmoForCausalLM(cfg)
+
+
+def olmo2(**kw):
+    cfg = transformers.Olmo2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=64, pad_token_id=0, **kw)
+    return _randomize_norms(transformers.Olmo2ForCausalLM(cfg))
+
+
+def olmo3(**kw):
+    cfg = transformers.Olmo3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=64, pad_token_id=0, **kw)
+    return _randomize_norms(transformers.Olmo3ForCausalLM(cfg))
+
+
+BUILDERS = {"llama": llama, "qwen3": qwen3, "gpt2": gpt2, "bert": bert, "gpt_neox": gpt_neox, "opt": opt,
+            "phi3": phi3, "phi": phi, "olmo": olmo, "olmo2": olmo2, "olmo3": olmo3}
 
 
 def build(name: str, **kw):

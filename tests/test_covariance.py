@@ -288,3 +288,34 @@ def test_to_moves_the_state():
     assert empty.device == torch.device("cpu")
     empty.update(torch.randn(3, 4))
     assert empty.n.item() == 3
+
+
+def test_constructor_arguments_name_the_argument_and_take_numpy_ints():
+    np = pytest.importorskip("numpy")
+    for dim in (16.0, True, -3, 0, (4, 2.0), (4, False), (), "8", None, np.float32(4)):
+        with pytest.raises(ValueError, match=r"dim: expected D or a tuple \(\*sites, D\) of positive ints"):
+            fastspec.Covariance(dim)
+    for dim, want in ((np.int64(16), ((), 16)), ((np.int32(2), 8), ((2,), 8)), (torch.Size([3, 4]), ((3,), 4)),
+                      ([2, 5], ((2,), 5))):
+        cov = fastspec.Covariance(dim)
+        assert (cov.sites, cov.D) == want and type(cov.D) is int
+    with pytest.raises(TypeError, match="track_mean: expected True or False"):
+        fastspec.Covariance(4, track_mean="no")
+    assert not fastspec.Covariance(4, track_mean=np.bool_(False)).track_mean
+    with pytest.raises(ValueError, match="device: expected a torch.device"):
+        fastspec.Covariance(4, device="gpu")
+    cov = fastspec.Covariance(4).update(torch.randn(2, 6, 4), row_step=np.int64(2))
+    assert cov.n.item() == 6
+    for bad in (2.0, True, np.int64(0)):
+        with pytest.raises(ValueError, match="row_step"):
+            cov.update(torch.randn(2, 6, 4), row_step=bad)
+    with pytest.raises(ValueError, match="dtype"):
+        cov.spectrum(dtype="float64")
+    with pytest.raises(ValueError, match="dtype"):
+        cov.metrics("sv", dtype=torch.int64)
+    with pytest.raises(TypeError, match="unbiased"):
+        cov.covariance(unbiased="no")
+    with pytest.raises(TypeError, match="state_dict"):
+        cov.load_state_dict(None)
+    with pytest.raises(ValueError, match="device"):
+        cov.to("gpu")

@@ -24,6 +24,7 @@ row was refused (it syncs; call it when you want to stop on bad data).
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 import torch
@@ -36,11 +37,41 @@ from .policy import check_backend, check_precision, solve_dtype
 CONVENTIONS = ("eig", "sv")
 
 
+def _index(value: Any) -> int:
+    """``value`` as an int: Python and NumPy ints (``operator.index``), not bools or floats."""
+    if type(value) is int:  # the common case, and the one a traced update sees
+        return value
+    if isinstance(value, bool):  # (NumPy bools have no __index__)
+        raise TypeError(f"a bool is not a size: {value!r}")
+    return operator.index(value)
+
+
 def _shape_arg(dim: Any) -> tuple[int, ...]:
-    shape = (dim,) if isinstance(dim, int) and not isinstance(dim, bool) else tuple(dim)
-    if not shape or any(not isinstance(d, int) or isinstance(d, bool) or d < 1 for d in shape):
+    try:
+        shape = (_index(dim),)
+    except TypeError:  # not one int: a tuple/list/torch.Size of them (a str is neither)
+        try:
+            shape = () if isinstance(dim, (str, bytes)) else tuple(_index(d) for d in dim)
+        except TypeError:
+            shape = ()
+    if not shape or any(d < 1 for d in shape):
         raise ValueError(f"dim: expected D or a tuple (*sites, D) of positive ints, got {dim!r}")
     return shape
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool) and (type(value).__module__, type(value).__name__) not in (
+            ("numpy", "bool"), ("numpy", "bool_")):  # NumPy 2 / 1 bools are fine
+        raise TypeError(f"{name}: expected True or False, got {value!r}")
+    return bool(value)
+
+
+def _device_arg(device: Any) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device: expected a torch.device or a device string such as 'cpu' or "
+                         f"'cuda:0', got {device!r}") from None
 
 
 def _check_convention(convention: str) -> None:
@@ -60,6 +91,9 @@ def spectra(mat: Tensor, convention: str, *, dtype: torch.dtype | None = None) -
     _check_convention(convention)
     if dtype is None:
         dtype = solve_dtype(convention, mat.device)
+    elif not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.is_complex:
+        raise ValueError(f"dtype: expected None or a real floating torch.dtype (the eigensolve's "
+                         f"precision, e.g. torch.float64), got {dtype!r}")
     mat = mat.to(dtype)
     # torch.linalg raises on NaN (and would sync to find out): solve a zero stand-in instead
     # and mark those sites NaN, so one empty site never hides its neighbours' spectra.
@@ -88,8 +122,10 @@ class Covariance:
     """Streaming covariance of activation rows, batched over sites.
 
     Args:
-        dim: ``D`` or ``(*sites, D)``, e.g. ``(H, D)`` for H heads of width D.
-        device: where the state lives; default: the device of the first update.
+        dim: ``D`` or ``(*sites, D)``, e.g. ``(H, D)`` for H heads of width D: positive ints
+            (NumPy ints and ``torch.Size`` too; a float or a bool is an error).
+        device: where the state lives (a ``torch.device`` or a string such as ``"cuda:0"``);
+            default: the device of the first update.
         track_mean: keep the centered covariance (needed by the ``eig`` convention). With
             ``False`` only raw ``Σx``/``Σxxᵀ`` are kept (the ``sv`` convention), and the update
             skips centering.
@@ -112,10 +148,10 @@ class Covariance:
         shape = _shape_arg(dim)
         self.sites: tuple[int, ...] = shape[:-1]
         self.D: int = shape[-1]
-        self.track_mean = bool(track_mean)
+        self.track_mean = _flag("track_mean", track_mean)
         self.backend = check_backend(backend)
         self.precision = check_precision(precision)
-        self._device = None if device is None else torch.device(device)
+        self._device = None if device is None else _device_arg(device)
         self._state: dict[str, Tensor] | None = None
         if self._device is not None:
             self._init_state(self._device)
@@ -152,7 +188,7 @@ class Covariance:
 
     def to(self, device: torch.device | str) -> "Covariance":
         """Move the accumulators (e.g. a checkpoint loaded on CPU) to ``device``, in place."""
-        device = torch.device(device)
+        device = _device_arg(device)
         if self._state is not None:
             self._state = {k: v.to(device) for k, v in self._state.items()}
         self._device = device
@@ -161,7 +197,7 @@ class Covariance:
     def allocate(self, device: torch.device | str) -> "Covariance":
         """Create the (zero) state on ``device`` now if there is none yet, e.g. before a compiled
         graph that updates it is traced; an existing state must already be on ``device``."""
-        device = torch.device(device)
+        device = _device_arg(device)
         if self._state is None:
             self._init_state(device)
         elif self._device != device:
@@ -197,7 +233,7 @@ class Covariance:
                              f"{', ...' if len(bad) > 8 else ''})")
 
     # ----------------------------------------------------------------- update
-    def _check_update(self, x: Tensor, mask: Tensor | None, row_step: int) -> int:
+    def _check_update(self, x: Tensor, mask: Tensor | None, row_step: int) -> tuple[int, int]:
         if not isinstance(x, Tensor):
             raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
         if x.is_complex() or not x.is_floating_point():
@@ -219,9 +255,13 @@ class Covariance:
                                  f"got {list(mask.shape)}")
             if mask.device != x.device:
                 raise ValueError(f"mask: is on {mask.device}, x is on {x.device}")
-        if not isinstance(row_step, int) or isinstance(row_step, bool) or row_step < 1:
+        try:
+            step = _index(row_step)
+        except TypeError:
+            step = 0
+        if step < 1:
             raise ValueError(f"row_step: expected an int >= 1, got {row_step!r}")
-        return lead
+        return lead, step
 
     def update(self, x: Tensor, mask: Tensor | None = None, *, row_step: int = 1,
                gate: Tensor | None = None) -> "Covariance":
@@ -239,7 +279,7 @@ class Covariance:
         Inside ``torch.compile`` the update is one custom op, ``torch.ops.fastspec.covariance_update_``
         (no graph break); give ``device=`` at construction so the state exists before tracing.
         """
-        lead = self._check_update(x, mask, row_step)
+        lead, row_step = self._check_update(x, mask, row_step)
         if self._state is None:
             self._init_state(x.device)
         if gate is not None and (not isinstance(gate, Tensor) or gate.numel() != 1
@@ -339,7 +379,7 @@ class Covariance:
         if not self.track_mean:
             raise ValueError("covariance() needs track_mean=True; this accumulator keeps only raw "
                              "sums (use second_moment() or gram(), or the 'sv' convention)")
-        n = st["n"].double() - (1 if unbiased else 0)
+        n = st["n"].double() - (1 if _flag("unbiased", unbiased) else 0)
         return self._out(st["m2"] / n[:, None, None], 2)
 
     def participation_ratio(self) -> Tensor:
@@ -372,7 +412,7 @@ class Covariance:
 
     def metrics(self, convention: str = "eig", *, dtype: torch.dtype | None = None) -> SpectrumMetrics:
         """Every metric of ``fastspec.metrics.summarize`` (docs/metrics.md) per site (each ``[*sites]``), plus ``n`` and ``rejected``."""
-        m = summarize(self.spectrum(convention, dtype=dtype))
+        m = summarize(self.spectrum(convention, dtype=dtype), check_negative=False)  # clamped already: no sync
         return SpectrumMetrics(**{**m.as_dict(), "n": self.n, "rejected": self.rejected})
 
     # ------------------------------------------------------------- checkpoint
@@ -386,6 +426,8 @@ class Covariance:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`; the shape and ``track_mean`` must match."""
+        if not isinstance(sd, dict) or "state" not in sd:
+            raise TypeError(f"state_dict: expected the dict of Covariance.state_dict(), got {type(sd).__name__}")
         if tuple(sd.get("dim", ())) != (*self.sites, self.D) or sd.get("track_mean") != self.track_mean:
             raise ValueError(f"state_dict: dim/track_mean {sd.get('dim')}/{sd.get('track_mean')} do "
                              f"not match {(*self.sites, self.D)}/{self.track_mean}")

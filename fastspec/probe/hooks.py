@@ -2,7 +2,8 @@
 
 * :class:`ForwardScope` tracks the probed model's own ``forward``: captures count only while it
   runs (depth > 0), so the forward that activation checkpointing recomputes during backward is
-  never counted twice, and it keeps that call's 2-D ``attention_mask`` so padding is not counted.
+  never counted twice, and it keeps that call's 2-D ``attention_mask`` so padding is not counted
+  (a mask whose shape does not fit the call's tokens or a site's rows raises: it cannot be read).
 * :class:`Hooks` installs one callback per site (attention keys/queries through
   ``hf_attention.watch``, forward pre-hooks on the FFN down projections, forward hooks on
   pre-RoPE key modules and user :class:`~fastspec.probe.ModuleSite` modules) and removes all of
@@ -23,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from . import hf_attention
-from .families import Family, layer_of, matches, plain_name
+from .families import Family, ffn_modules, layer_of, matches, plain_name
 from .sites import ModuleSite
 
 # capture(slot, x, *, headed, convention, head_offset=0, stream_row_step=None)
@@ -94,13 +95,31 @@ def _positional_index(fn, name: str) -> int | None:
     return None
 
 
+def check_mask(mask, tokens: Tensor | None, cached: bool) -> None:
+    """Raise unless ``mask`` fits the call's ``tokens`` (``input_ids [B, T]`` or ``inputs_embeds
+    [B, T, d]``; None: only the mask's rank is checked): a 2-D ``[B, T]`` mask, ``[B, T' >= T]``
+    when a KV cache holds earlier tokens; None or a 3-D/4-D mask pass (those are the model's to
+    read: the probe then counts every token). Shapes only: no value is read, no device sync."""
+    if not isinstance(mask, Tensor) or mask.dim() > 2:
+        return
+    want = list(tokens.shape[:2]) if isinstance(tokens, Tensor) and tokens.dim() in (2, 3) else None
+    if mask.dim() == 2 and (want is None or mask.shape[0] == want[0] and (
+            mask.shape[1] == want[1] or cached and mask.shape[1] > want[1])):
+        return
+    what = "[B, T]" if want is None else f"[{want[0]}, {'>= ' if cached else ''}{want[1]}]"
+    raise ValueError(f"attention_mask: expected a 2-D padding mask of shape {what} (the [B, T] of "
+                     f"input_ids/inputs_embeds{', with a KV cache' if cached else ''}), got {list(mask.shape)}")
+
+
 class ForwardScope:
     """Depth of the probed model's own ``forward`` and the ``attention_mask`` it was called with."""
 
     def __init__(self, model: nn.Module):
-        self._mask_pos = _positional_index(model.forward, "attention_mask")
+        self._pos = {name: _positional_index(model.forward, name)
+                     for name in ("attention_mask", "input_ids", "inputs_embeds", "past_key_values")}
         self.depth = 0
         self.mask: Tensor | None = None
+        self._call: tuple = (None, False)  # compiled: the call's tokens and KV-cache flag, for check_mask
 
     @property
     def active(self) -> bool:
@@ -108,33 +127,60 @@ class ForwardScope:
         return self.depth > 0
 
     def start(self, module, args, kwargs) -> None:
-        """Forward pre-hook (``with_kwargs=True``) of the model."""
-        self.depth += 1
-        if self.depth == 1:
-            mask = kwargs.get("attention_mask")
-            if mask is None and self._mask_pos is not None and len(args) > self._mask_pos:
-                mask = args[self._mask_pos]
+        """Forward pre-hook (``with_kwargs=True``) of the model. Raises if its ``attention_mask``
+        does not fit its tokens (:func:`check_mask`): eagerly here, before the model runs;
+        compiled, at the first capture (:meth:`mask_for`)."""
+        if self.depth == 0:
+            mask, tokens = self._arg(args, kwargs, "attention_mask"), self._arg(args, kwargs, "input_ids")
+            tokens = self._arg(args, kwargs, "inputs_embeds") if tokens is None else tokens
+            cached = self._arg(args, kwargs, "past_key_values") is not None
             if torch.compiler.is_compiling():
-                # kept as given, converted where a capture uses it (mask_for): no tensor work
-                # here, so a compiled model's top-level hooks add no graph of their own
-                self.mask = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
-            else:  # eager: converted once per forward, not once per capture
+                # kept as given, checked and converted where a capture uses it (mask_for): no tensor
+                # work here (a shape check is some), so a compiled model's top-level hooks add no
+                # graph of their own
+                self.mask, self._call = (mask if isinstance(mask, Tensor) else None), (tokens, cached)
+            else:  # eager: checked and converted once per forward, not once per capture
+                check_mask(mask, tokens, cached)
                 self.mask = as_bool_mask(mask)
+        self.depth += 1
+
+    def _arg(self, args: tuple, kwargs: dict, name: str):
+        """Argument ``name`` of the model call, by keyword or by position."""
+        value, pos = kwargs.get(name), self._pos[name]
+        return args[pos] if value is None and pos is not None and len(args) > pos else value
 
     def end(self, module, args, output) -> None:
         """Forward hook (``always_call=True``) of the model."""
         self.depth = max(0, self.depth - 1)
         if self.depth == 0:
-            self.mask = None
+            self.mask, self._call = None, (None, False)
 
     def reset(self) -> None:
-        self.depth, self.mask = 0, None
+        self.depth, self.mask, self._call = 0, None, (None, False)
 
-    def mask_for(self, x: Tensor) -> Tensor | None:
-        """``[B, T]`` keep-mask for rows ``x: [B, T, ...]``: the last T columns of the model's mask."""
+    def token_rows(self, x: Tensor) -> Tensor:
+        """Rows ``x: [B·T, F]`` flattened from ``[B, T, F]`` (OPT's FFN runs on those) as a
+        ``[B, T, F]`` view, so that the mask reaches them; any other ``x`` as it is."""
         mask = self.mask
-        if mask is None or x.dim() < 3 or mask.shape[0] != x.shape[0] or mask.shape[1] < x.shape[1]:
+        if mask is None or x.dim() != 2 or mask.dim() != 2 or x.shape[0] != mask.shape[0] * mask.shape[1]:
+            return x
+        return x.unflatten(0, (mask.shape[0], mask.shape[1]))
+
+    def mask_for(self, x: Tensor, headed: bool, site: str = "") -> Tensor | None:
+        """``[B, T]`` keep-mask for rows ``x: [B, T, (H,) D]`` (``headed``): the last T columns of
+        the model's mask (with a KV cache, the mask also covers the earlier tokens). None without
+        a mask, or for rows that are not per token (``x: [N, (H,) D]``, e.g. a pooled output).
+        Raises if ``x`` has two row axes that the mask cannot cover (another batch size, or more
+        tokens): its padding could not be told apart. Shapes only, no device sync."""
+        mask = self.mask
+        if mask is not None and torch.compiler.is_compiling():
+            check_mask(mask, *self._call)  # shape guards of the model's own graph: free at run time
+            mask = mask if mask.dim() == 2 else None
+        if mask is None or x.dim() - (2 if headed else 1) < 2:
             return None
+        if mask.shape[0] != x.shape[0] or mask.shape[1] < x.shape[1]:
+            raise ValueError(f"attention_mask: shape {list(mask.shape)} does not cover the token rows "
+                             f"{list(x.shape[:2])} ([B, T]) of the {site or 'probed'} activations")
         mask = as_bool_mask(mask[:, mask.shape[1] - x.shape[1]:])
         return mask if mask.device == x.device else mask.to(x.device, non_blocking=True)
 
@@ -175,6 +221,18 @@ class Hooks:
             raise
         self._handles = handles
 
+    def check(self) -> None:
+        """Raise now (at ``Probe`` construction) if a requested site matches no module of the
+        model, with the error :meth:`install` would raise later."""
+        if self.plan.keys or self.plan.queries:
+            self._attention_modules()
+        if self.plan.ffn:
+            ffn_modules(self.model, self.family)
+        if self.plan.prerope_keys:
+            self._prerope_modules()
+        for spec in self.plan.modules:
+            self._site_modules(spec)
+
     def remove(self) -> None:
         """Remove every hook (idempotent) and forget any forward in flight."""
         handles, self._handles = self._handles or [], None
@@ -190,34 +248,48 @@ class Hooks:
         if plan.keys or plan.queries:
             handles.append(self._watch_attention())
         if plan.ffn:
-            found = matches(model, self.family.ffn)
-            if not found:
-                raise ValueError(f"ffn: no module matches the FFN down projection pattern "
-                                 f"{self.family.ffn!r}; register the family in fastspec.probe.FAMILIES")
-            for _, mod, layer in found:
+            for _, mod, layer in ffn_modules(model, self.family):
                 handles.append(mod.register_forward_pre_hook(self._ffn_hook(layer)))
         if plan.prerope_keys:
             self._install_prerope(handles)
         for spec in plan.modules:
-            found = [(n, m) for n, m in model.named_modules() if fnmatch.fnmatchcase(plain_name(n), spec.pattern)]
-            if not found:
-                raise ValueError(f"modules: no module name matches {spec.pattern!r}")
-            for name, mod in found:
+            for name, mod in self._site_modules(spec):
                 hook = self._module_hook(spec, layer_of(name, mod))
                 handles.append(mod.register_forward_hook(hook) if spec.io == "output"
                                else mod.register_forward_pre_hook(hook))
 
-    def _watch_attention(self):
-        callbacks = {}
+    # the modules of each site (resolved at construction, by check(), and again at install)
+    def _site_modules(self, spec: ModuleSite) -> list[tuple[str, nn.Module]]:
+        found = [(n, m) for n, m in self.model.named_modules() if fnmatch.fnmatchcase(plain_name(n), spec.pattern)]
+        if not found:
+            raise ValueError(f"modules: no module name matches {spec.pattern!r} (names as in "
+                             f"model.named_modules(), e.g. 'model.layers.*.mlp.act_fn')")
+        return found
+
+    def _attention_modules(self) -> dict[nn.Module, int]:
+        found = {}
         for name, mod in self.model.named_modules():
             if "Attention" not in type(mod).__name__ or getattr(mod, "is_cross_attention", False) \
                     or "Cross" in type(mod).__name__:
                 continue
             layer = layer_of(name, mod)
             if layer is not None:
-                callbacks[mod] = self._attention_callback(layer)
-        if not callbacks:
+                found[mod] = layer
+        if not found:
             raise ValueError("keys/queries: found no attention modules with a layer index in this model")
+        return found
+
+    def _prerope_modules(self) -> tuple[list, bool]:
+        """The k_norm modules (``True``) if the family has them, else the k_proj ones (``False``)."""
+        fam = self.family
+        use_norm = fam.k_norm is not None and bool(matches(self.model, fam.k_norm))
+        found = matches(self.model, fam.k_norm if use_norm else fam.k_proj)
+        if not found:
+            raise ValueError("prerope_keys: found no k_norm/k_proj modules in this model")
+        return found, use_norm
+
+    def _watch_attention(self):
+        callbacks = {mod: self._attention_callback(layer) for mod, layer in self._attention_modules().items()}
         return hf_attention.watch(callbacks, getattr(self.model.config, "_attn_implementation", None))
 
     def _attention_callback(self, layer: int):
@@ -238,11 +310,8 @@ class Hooks:
         return callback
 
     def _install_prerope(self, handles: list) -> None:
-        fam, plan, capture = self.family, self.plan, self._capture
-        use_norm = fam.k_norm is not None and bool(matches(self.model, fam.k_norm))
-        found = matches(self.model, fam.k_norm if use_norm else fam.k_proj)
-        if not found:
-            raise ValueError("prerope_keys: found no k_norm/k_proj modules in this model")
+        plan, capture = self.plan, self._capture
+        found, use_norm = self._prerope_modules()
         mods = dict(self.model.named_modules())
         for name, mod, layer in found:
             head_dim = getattr(mods.get(name.rsplit(".", 1)[0]), "head_dim", None)
@@ -257,12 +326,12 @@ class Hooks:
             handles.append(mod.register_forward_hook(hook))
 
     def _ffn_hook(self, layer: int | None):
-        plan, capture, slot = self.plan, self._capture, self._slot("ffn", layer)
+        plan, capture, slot, scope = self.plan, self._capture, self._slot("ffn", layer), self.scope
 
         def hook(module, args):
             x = first_tensor(args)
             if x is not None and x.is_floating_point():
-                capture(slot, x, headed=False, convention=plan.ffn_convention,
+                capture(slot, scope.token_rows(x), headed=False, convention=plan.ffn_convention,
                         stream_row_step=plan.ffn_row_step)
         return hook
 

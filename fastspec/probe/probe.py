@@ -6,12 +6,16 @@ Sites (docs/protocols.md):
   query head (queries), ``[B, T, H, d_head]`` rows, intercepted at the attention function
   (``hf_attention.py``) whatever backend the model uses.
 * ``keys_prerope``: keys after ``k_norm`` (or ``k_proj``) and before RoPE, for comparison.
-* ``ffn``: the input of the down projection, ``[B, T, d_ff]`` (forward pre-hook); while
+* ``ffn``: the input of the down projection, ``[B, T, d_ff]`` (forward pre-hook; flattened
+  ``[B·T, d_ff]`` rows, as OPT's, are viewed as ``[B, T, d_ff]`` so the mask reaches them); while
   streaming, by default only every k-th token, sized to the budget (``ffn_rows``, ``budget.py``).
 * ``modules``: any module by name pattern (:class:`ModuleSite`).
 * ``gamma_k`` / ``gamma_q``: coefficient of variation of the Q/K-norm weight γ per layer.
 
-Only tokens the 2-D ``attention_mask`` of the model call keeps are counted (padding is not).
+Only tokens the 2-D ``attention_mask`` of the model call keeps are counted (padding is not); a
+mask whose shape does not fit the call's ``[B, T]`` tokens raises (``hooks.check_mask``).
+A requested site that captures no rows warns (after :meth:`Probe.measure`, and once per site at a
+streaming emission) with the likely reason; a site that matches no module raises at construction.
 A capture counts only while the probed model's own ``forward`` is running, so the forward that
 activation checkpointing recomputes during backward is never counted twice. Captures run under
 ``no_grad`` with autocast off and read the activations without changing them: the model's
@@ -35,9 +39,10 @@ docs/compile.md).
 from __future__ import annotations
 
 import contextlib
+import operator
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -68,6 +73,21 @@ def _check_pos_int(name: str, value: Any) -> int:
     return value
 
 
+def _check_int(name: str, value: Any, *, optional: bool = False, minimum: int | None = None) -> int | None:
+    """``value`` as an int (NumPy ints too, e.g. a step from ``np.arange``; not bools or floats)."""
+    if value is None and optional:
+        return None
+    try:
+        if isinstance(value, bool):  # (NumPy bools have no __index__)
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int{' or None' if optional else ''}, got {value!r}") from None
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return value
+
+
 def _unwrap_compiled(model: nn.Module) -> nn.Module:
     """``torch.compile(model)`` and DDP return wrappers around the eager module: probe that one
     (its hooks are the compiled wrapper's too; :meth:`Probe.measure` runs it eagerly)."""
@@ -95,7 +115,8 @@ class Probe:
             (a family listed in ``fastspec.probe.FAMILIES``, or any model using the attention
             interface); FFN sites need a known family; ``modules`` work on any module.
         keys, queries, ffn, prerope_keys: which built-in sites to probe.
-        modules: extra sites: a glob, a :class:`ModuleSite`, or a list of them.
+        modules: extra sites: a glob, a :class:`ModuleSite`, or a list of them. A site that
+            matches no module of the model raises here, as does a site name used twice.
         key_convention: ``"sv"`` (the key-rank protocol: raw singular values) or ``"eig"``; also
             used for queries and pre-RoPE keys.
         ffn_convention: ``"eig"`` (the FFN utilization protocol) or ``"sv"``.
@@ -175,6 +196,11 @@ class Probe:
         self.row_step = _check_pos_int("row_step", row_step)
         self._budget = OverheadBudget(budget, _check_pos_int("every", every), self.emit_every)
         sites = module_sites(modules)
+        if not (keys or queries or ffn or prerope_keys or sites):
+            raise ValueError("keys/queries/ffn/prerope_keys/modules: no site selected; turn one on or "
+                             "pass modules= (a glob or ModuleSite)")
+        if clock is not None and not callable(clock):
+            raise TypeError(f"clock: expected a callable returning seconds, got {type(clock).__name__}")
         self.model = _unwrap_compiled(model)
         self.family = resolve_family(self.model, keys or queries or ffn or prerope_keys, prerope_keys)
         self.ffn_rows, self.ffn_share = choose_ffn_rows(self.model, self.family, ffn, ffn_rows, budget,
@@ -183,6 +209,10 @@ class Probe:
                               modules=sites, key_convention=key_convention,
                               ffn_convention=ffn_convention, tp_rank=tp_rank,
                               ffn_row_step=self.row_step * self.ffn_rows)
+        names = self.sites.names
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:  # two sites of one name would merge their rows into one accumulator
+            raise ValueError(f"modules: site name(s) {twice} used twice; give each ModuleSite its own label=")
 
         self._timer = WorkTimer(clock)
         self._stream = Collector(self.backend, self.precision)
@@ -190,17 +220,32 @@ class Probe:
         self._router = Router(self._stream, scope, self._timer, self.row_step,
                               cuda_graphs=_check_flag("cuda_graphs", cuda_graphs))
         self._hooks = Hooks(self.model, self.sites, self.family, self._router.capture, self._router.slot, scope)
+        self._hooks.check()  # a site that matches no module fails here, not at the first measure/attach
         self._emitter = Emitter(self.model, self.family, gamma=keys or queries or prerope_keys, sync=sync,
                                 process_group=process_group)
         self._history = History()
         self._steps_seen = 0
         self._last_step_t: float | None = None
+        self._flush_allowed = False        # one step() after detach() is a final one, not a mistake
+        self._warned_step = False
+        self._warned_sites: set[str] = set()  # sites a streaming emission warned about (once each)
 
     # ------------------------------------------------------------- eval protocol
-    def _check_batch(self, batch) -> None:
-        if not isinstance(batch, (dict, Tensor)):
-            raise TypeError(f"batch: expected a dict of model kwargs or an input_ids tensor, "
-                            f"got {type(batch).__name__}")
+    @staticmethod
+    def _as_batch(batch) -> dict | Tensor:
+        """``batch`` as a dict of model kwargs (from any mapping, e.g. a tokenizer's
+        ``BatchEncoding``) or an ``input_ids`` tensor."""
+        if isinstance(batch, Tensor):
+            return batch
+        if not isinstance(batch, Mapping) or not all(isinstance(k, str) for k in batch):
+            raise TypeError(f"batch: expected a mapping of model kwargs (a dict, a tokenizer's BatchEncoding) "
+                            f"or an input_ids tensor, got {type(batch).__name__}")
+        batch = dict(batch)
+        for key in ("input_ids", "attention_mask"):
+            if key in batch and not isinstance(batch[key], Tensor) and batch[key] is not None:
+                raise TypeError(f"batch: {key} is a {type(batch[key]).__name__}, expected a tensor "
+                                f"(tokenize with return_tensors='pt')")
+        return batch
 
     def _eval_forward(self, batch) -> Collector:
         """One eval forward of ``batch`` with every capture going to a fresh collector.
@@ -226,26 +271,27 @@ class Probe:
                 self._hooks.remove()
             for m, was_training in modes:
                 m.training = was_training
-        self._warn_missing(collector)
+        self._warn_missing(collector, "in this measurement", stacklevel=4)
         return collector
 
     def measure(self, batch, *, step: int, tokens_seen: int | None = None) -> list[Record]:
         """The eval protocol (docs/protocols.md): one forward of a fixed batch, metrics of exactly its tokens.
 
-        Puts the model in eval mode, runs ``model(**batch)`` (a dict of model kwargs with the
-        ``attention_mask``) or ``model(batch)`` (an ``input_ids`` tensor) under ``no_grad``,
-        computes every site's metrics, then restores each module's train/eval flag and removes
-        the hooks it added, also when the forward raises. Streaming accumulators are untouched.
+        Puts the model in eval mode, runs ``model(**batch)`` (a mapping of model kwargs with the
+        ``attention_mask``: a dict, a tokenizer's ``BatchEncoding``) or ``model(batch)`` (an
+        ``input_ids`` tensor) under ``no_grad``, computes every site's metrics, then restores
+        each module's train/eval flag and removes the hooks it added, also when the forward raises. Streaming accumulators are untouched.
         A ``torch.compile``'d model is measured through its eager module (same parameters).
         Under ``torch.distributed`` every rank calls ``measure`` with its share of the batch and
         gets the metrics of the whole batch (``sync="all"``), as one process would.
 
         Returns the new records (also appended to :meth:`records`); waits for their values.
+        Warns (``UserWarning``) for each site that captured no rows, with the likely reason.
+        Raises ``ValueError`` if the ``attention_mask`` does not fit ``input_ids`` (``[B, T]``).
         """
-        if not isinstance(step, int) or isinstance(step, bool):
-            raise TypeError(f"step: expected an int, got {type(step).__name__}")
-        self._check_batch(batch)
-        collector = self._eval_forward(batch)
+        step = _check_int("step", step)
+        tokens_seen = _check_int("tokens_seen", tokens_seen, optional=True, minimum=0)
+        collector = self._eval_forward(self._as_batch(batch))
         pending = self._emitter.records(collector, step, tokens_seen, "eval")
         records = [] if pending is None else pending.materialize()
         self._history.flush()
@@ -264,17 +310,36 @@ class Probe:
         """
         if batch is None:
             return self._emitter.spectra(self._stream)
-        self._check_batch(batch)
-        return self._emitter.spectra(self._eval_forward(batch))
+        return self._emitter.spectra(self._eval_forward(self._as_batch(batch)))
 
-    def _warn_missing(self, collector: Collector) -> None:
-        seen = {site for site, _ in collector.accs}
-        for site, wanted in (("keys", self.sites.keys), ("queries", self.sites.queries)):
-            if wanted and site not in seen:
-                warnings.warn(f"fastspec.Probe: no {site} were captured: this model never called the Hugging "
-                              f"Face attention interface (older transformers route some families, e.g. "
-                              f"BERT before 4.50, around it). Upgrade transformers, or probe the projections "
-                              f"with modules=ModuleSite(..., heads=H).", stacklevel=4)
+    def _missing_hints(self) -> dict[str, str]:
+        """Every requested site, with the likely reason why it would capture nothing."""
+        attention = ("this model never called the Hugging Face attention interface (older transformers "
+                     "route some families, e.g. BERT before 4.50, around it). Upgrade transformers, or "
+                     "probe the projections with modules=ModuleSite(..., heads=H)")
+        fam = self.family
+        hints = {"keys": attention, "queries": attention,
+                 "ffn": f"the modules matching {getattr(fam, 'ffn', None)!r} never ran with a floating-point "
+                        f"input; register this model's family in fastspec.probe.FAMILIES, or pass ffn=False",
+                 "keys_prerope": "the k_norm/k_proj modules of the family's patterns never ran; register this "
+                                 "model's family in fastspec.probe.FAMILIES, or pass prerope_keys=False"}
+        out = {site: hints[site] for site in self.sites.names if site in hints}
+        for spec in self.sites.modules:
+            out.setdefault(spec.site, f"no module matching {spec.pattern!r} ran with a floating-point "
+                                      f"{spec.io} of at least 2 dims")
+        return out
+
+    def _warn_missing(self, collector: Collector, when: str, *, stacklevel: int,
+                      once: set[str] | None = None) -> None:
+        """Warn for each requested site without a row in ``collector`` (structural: no value is
+        read, so no sync); with ``once``, only for sites not in it yet (it records them)."""
+        seen = {site for (site, _), acc in collector.accs.items() if acc.cov.device is not None}
+        for site, hint in self._missing_hints().items():
+            if site in seen or (once is not None and site in once):
+                continue
+            if once is not None:
+                once.add(site)
+            warnings.warn(f"fastspec.Probe: site {site!r} captured no rows {when}: {hint}.", stacklevel=stacklevel)
 
     # ---------------------------------------------------------------- streaming
     def attach(self) -> Probe:
@@ -290,7 +355,9 @@ class Probe:
         return self
 
     def detach(self) -> None:
-        """Stop streaming and remove every hook (accumulators and history are kept)."""
+        """Stop streaming and remove every hook (accumulators and history are kept). The next
+        :meth:`step` may still emit what was accumulated (a final step after training)."""
+        self._flush_allowed = self._router.streaming or self._flush_allowed
         self._router.streaming = False
         self._hooks.remove()
 
@@ -320,9 +387,23 @@ class Probe:
 
         Never syncs the device: returns the records whose values have already reached the host
         (on CPU: this emission's; on CUDA usually the previous one's). :meth:`records` waits.
+
+        Warns once (``UserWarning``) when called while the probe is not attached, which captures
+        nothing: train inside ``with probe.streaming():`` or call :meth:`attach` first. One call
+        right after :meth:`detach` is fine (a final step emitting what was accumulated), so a
+        ``streaming()`` context around each step's forwards is too. An emission while attached
+        warns, once per site, for each site that has captured no rows yet, with the likely reason.
         """
-        if not isinstance(step, int) or isinstance(step, bool):
-            raise TypeError(f"step: expected an int, got {type(step).__name__}")
+        step = _check_int("step", step)
+        tokens_seen = _check_int("tokens_seen", tokens_seen, optional=True, minimum=0)
+        attached = self._router.streaming
+        if not attached and not self._flush_allowed and not self._warned_step:
+            self._warned_step = True
+            warnings.warn("fastspec.Probe: step() was called while the probe is not attached: no forward is "
+                          "captured, so streaming records nothing; train inside `with probe.streaming():` or "
+                          "call probe.attach() first (probe.measure(batch, step=...) is the eval protocol)",
+                          stacklevel=2)
+        self._flush_allowed = False
         budget = self._budget
         # ranks time differently: a collective emission must not follow per-rank timings
         budget.adapt_emission = not self._emitter.collective
@@ -333,6 +414,8 @@ class Probe:
             token = self._timer.start(self._stream.device)
             overhead = budget.average_fraction
             extra = () if overhead is None else ((("probe", None, None, "overhead_fraction"), overhead),)
+            if attached:
+                self._warn_missing(self._stream, f"by step {step}", stacklevel=3, once=self._warned_sites)
             self._history.add(self._emitter.records(self._stream, step, tokens_seen, "stream", extra=extra))
             if self.reset_after_emit:
                 self._stream.reset()

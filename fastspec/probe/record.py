@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor
 
-
 PROTOCOLS = ("eval", "stream")
 
 

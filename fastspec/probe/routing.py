@@ -180,7 +180,9 @@ class Router:
 
     def capture(self, slot: Slot, x: Tensor, *, headed: bool, convention: str,
                 head_offset: int = 0, stream_row_step: int | None = None) -> None:
-        """Merge rows ``x: [*rows, H, D]`` (``headed``) or ``[*rows, D]`` of one site."""
+        """Merge rows ``x: [*rows, H, D]`` (``headed``) or ``[*rows, D]`` of one site, without the
+        padding of the model's ``attention_mask`` (``ForwardScope.mask_for``, which raises if the
+        mask cannot cover the rows' ``[B, T]``)."""
         if torch.compiler.is_compiling():
             self._capture_in_graph(slot, x, headed=headed, convention=convention, head_offset=head_offset,
                                    stream_row_step=stream_row_step)
@@ -201,7 +203,7 @@ class Router:
             if x.device.type in ("cuda", "cpu"):
                 stack.enter_context(torch.autocast(x.device.type, enabled=False))
             x = x.detach()
-            target.update(slot.site, slot.layer, x, self.scope.mask_for(x), headed=headed,
+            target.update(slot.site, slot.layer, x, self.scope.mask_for(x, headed, slot.site), headed=headed,
                           convention=convention, head_offset=head_offset, row_step=row_step)
         if token is not None:
             self.timer.stop(token, "capture")
@@ -217,4 +219,5 @@ class Router:
             return
         _ensure_slot(slot.key, site_dim(x, headed), x.device, convention, headed, head_offset)
         row_step = stream_row_step if stream_row_step is not None else self.row_step
-        slot.acc.cov.update(x.detach(), self.scope.mask_for(x), row_step=row_step, gate=slot.gate)
+        slot.acc.cov.update(x.detach(), self.scope.mask_for(x, headed, slot.site), row_step=row_step,
+                            gate=slot.gate)

@@ -39,10 +39,13 @@ class ModuleSite:
             raise ValueError(f"modules: pattern must be a non-empty string, got {self.pattern!r}")
         if self.io not in ("output", "input"):
             raise ValueError(f"modules: io must be 'output' or 'input', got {self.io!r}")
-        if self.heads is not None and (not isinstance(self.heads, int) or self.heads < 1):
+        if self.heads is not None and (not isinstance(self.heads, int) or isinstance(self.heads, bool)
+                                       or self.heads < 1):
             raise ValueError(f"modules: heads must be a positive int or None, got {self.heads!r}")
         if self.convention not in CONVENTIONS:
             raise ValueError(f"modules: convention must be one of {CONVENTIONS}, got {self.convention!r}")
+        if self.label is not None and (not isinstance(self.label, str) or not self.label):
+            raise ValueError(f"modules: label must be a non-empty string or None, got {self.label!r}")
 
     @property
     def site(self) -> str:
@@ -142,7 +145,11 @@ def module_sites(modules) -> tuple[ModuleSite, ...]:
     """``Probe(modules=...)`` as a tuple of :class:`ModuleSite`: a glob, a ModuleSite, or a list of them."""
     if modules is None:
         return ()
-    items = [modules] if isinstance(modules, (str, ModuleSite)) else list(modules)
+    try:
+        items = [modules] if isinstance(modules, (str, ModuleSite)) else list(modules)
+    except TypeError:
+        raise TypeError(f"modules: expected a glob string, a ModuleSite or a list of them, "
+                        f"got {type(modules).__name__}") from None
     out = []
     for m in items:
         if isinstance(m, str):
