@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -141,3 +142,98 @@ def test_cuda_status_asks_the_extension_runtime(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     ok, reason = native.status("cuda")
     assert not ok and "runtime sees no device" in reason
+
+
+def _nonfinite_batch(dtype):
+    """[7, 5, 5]: symmetric matrices, 1, 3, 4 and 6 with NaN/Inf in the lower triangle (6 all NaN:
+    LAPACK raises on it), 5 with NaN only above the diagonal (never read: a normal matrix)."""
+    A = torch.from_numpy(make_batch("indefinite", 5, 7, seed=3)).to(dtype)
+    A[1, 2, 1] = float("nan")
+    A[3, 4, 4] = float("inf")
+    A[4, 3, 0] = -float("inf")
+    A[5] += torch.triu(torch.full((5, 5), float("nan"), dtype=dtype), diagonal=1)
+    A[6] = float("nan")
+    return A, [1, 3, 4, 6]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("backend", ["torch", "auto", pytest.param("host", marks=needs_ext)])
+def test_nonfinite_matrix_gives_nan_row_on_every_backend(backend, dtype):
+    A, bad = _nonfinite_batch(dtype)
+    out = fastspec.eigvalsh(A, backend=backend)
+    assert out.shape == (7, 5) and out.dtype == dtype
+    for i in range(7):
+        if i in bad:
+            assert torch.isnan(out[i]).all(), i
+        else:  # neighbours of a NaN matrix get what they get alone (LAPACK: to round-off, batched or not)
+            torch.testing.assert_close(out[i], fastspec.eigvalsh(A[i], backend=backend))
+
+
+def test_nonfinite_matrix_under_autograd_keeps_finite_gradients():
+    A, _ = _nonfinite_batch(torch.float64)
+    A.requires_grad_()
+    fastspec.eigvalsh(A)[[0, 2, 5]].sum().backward()
+    assert torch.isfinite(A.grad).all()
+    torch.testing.assert_close(A.grad[0].tril(), torch.eye(5, dtype=torch.float64))  # d tr(A) / dA
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+@pytest.mark.parametrize("backend", ["auto", pytest.param("host", marks=needs_ext)])
+def test_numpy_array_in_numpy_array_out(backend, dtype):
+    np = pytest.importorskip("numpy")
+    if backend == "host" and dtype == "float16":
+        pytest.skip("host takes float32/float64")
+    a = make_batch("spd", 6, 3).astype(dtype)
+    a_before = a.copy()
+    out = fastspec.eigvalsh(a, backend=backend)
+    assert type(out) is np.ndarray and out.dtype == a.dtype and out.shape == (3, 6)
+    assert np.array_equal(out, fastspec.eigvalsh(torch.from_numpy(a), backend=backend).numpy())
+    assert np.array_equal(a, a_before)  # zero-copy in, never written
+    strided = a.transpose(0, 2, 1)  # a non-contiguous view: DLPack carries the strides
+    assert np.array_equal(fastspec.eigvalsh(strided, backend=backend),
+                          fastspec.eigvalsh(torch.from_numpy(a).mT, backend=backend).numpy())
+
+
+def test_cupy_array_in_cupy_array_out():
+    cupy = pytest.importorskip("cupy")
+    if not torch.cuda.is_available() or cupy.cuda.runtime.getDeviceCount() == 0:
+        pytest.skip("needs CUDA for cupy")
+    a = cupy.asarray(make_batch("gram-activations", 64, 8)).astype(cupy.float32)
+    out = fastspec.eigvalsh(a)
+    assert type(out) is cupy.ndarray and out.dtype == a.dtype and out.shape == (8, 64)
+    assert out.device.id == a.device.id
+    want = fastspec.eigvalsh(torch.from_dlpack(a))
+    assert torch.equal(torch.from_dlpack(out), want)
+
+
+class _ForeignArray:
+    """A DLPack producer from a library this test stands in for (module set per test)."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def __dlpack__(self, **kw):
+        return self.t.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self.t.__dlpack_device__()
+
+
+def test_dlpack_result_goes_back_through_the_libraries_from_dlpack(monkeypatch):
+    # a JAX array's type lives in jaxlib, its from_dlpack in jax.numpy; only imported modules are used
+    stub = type(sys)("jax.numpy")
+    stub.from_dlpack = lambda t: ("jax", t)
+    monkeypatch.setitem(sys.modules, "jax.numpy", stub)
+    monkeypatch.setattr(_ForeignArray, "__module__", "jaxlib._jax")
+    A = torch.from_numpy(make_batch("spd", 4, 2))
+    tag, out = fastspec.eigvalsh(_ForeignArray(A))
+    assert tag == "jax" and torch.equal(out, fastspec.eigvalsh(A))
+    monkeypatch.delitem(sys.modules, "jax.numpy")
+    with pytest.raises(TypeError, match="^A: .*no from_dlpack"):
+        fastspec.eigvalsh(_ForeignArray(A))
+
+
+@pytest.mark.parametrize("bad", ["abc", [[1.0, 0.0], [0.0, 1.0]], None, torch.Tensor])
+def test_non_array_input_names_the_argument(bad):
+    with pytest.raises(TypeError, match="^A: expected a torch.Tensor or a DLPack array"):
+        fastspec.eigvalsh(bad)

@@ -1,9 +1,12 @@
 """Metrics of docs/metrics.md: boundary spectra, closed forms, identities and invariances."""
 import math
+import warnings
 
+import numpy as np
 import pytest
 import torch
 
+import fastspec
 from fastspec import metrics as M
 
 
@@ -170,3 +173,86 @@ def test_bad_spectra_are_rejected_with_the_argument_named(bad, err, match):
 def test_top_share_rejects_bad_k(k):
     with pytest.raises((ValueError, TypeError), match="k_or_fraction"):
         M.top_share(torch.rand(10), k)
+
+
+def _rank_at_by_hand(v, fraction):
+    """Components for ``fraction`` of the total of each row of ``v`` (numpy, PCA-style)."""
+    cum = np.cumsum(-np.sort(-np.asarray(v, dtype=np.float64), axis=-1), axis=-1)
+    return np.array([np.searchsorted(c / c[-1], fraction) + 1 for c in cum.reshape(-1, cum.shape[-1])])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("fraction", [0.05, 0.5, 0.9, 0.99])
+def test_rank_at_matches_cumulative_share_by_hand(dtype, fraction):
+    v = (torch.rand(40, 33, dtype=torch.float64) ** 6).to(dtype)  # steep: k spreads over 1..D
+    got = M.rank_at(v, fraction)
+    assert got.dtype == torch.promote_types(dtype, torch.float32) and got.shape == (40,)
+    np.testing.assert_array_equal(got.numpy(), _rank_at_by_hand(v.numpy(), fraction))
+    torch.testing.assert_close(M.rank_at(v.T, fraction, dim=0), got)
+    torch.testing.assert_close(M.rank_at(v[:, torch.randperm(33)], fraction), got)  # any order
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rank_at_sanity_values_and_undefined_spectra(dtype):
+    t = lambda *x: torch.tensor(x, dtype=dtype)
+    assert M.rank_at(torch.ones(10, dtype=dtype), 0.9).item() == 9  # an exact tie, not 10 by round-off
+    assert M.rank_at(torch.ones(10, dtype=dtype), 0.91).item() == 10
+    assert M.rank_at(torch.ones(10, dtype=dtype), 1.0).item() == 10
+    assert M.rank_at(t(0, 0, 5, 0), 1.0).item() == 1
+    assert M.rank_at(t(1, 1e-6, 0, 0), 1.0).item() == 2  # f = 1: every nonzero value counts
+    assert M.rank_at(torch.arange(1, 65, dtype=dtype) ** -2.0, 1.0).item() == 64
+    assert M.rank_at(t(3, 1), 0.75).item() == 1 and M.rank_at(t(3, 1), 0.76).item() == 2
+    assert M.rank_at(t(2.0), 0.9).item() == 1  # D = 1
+    for v in (t(0, 0, 0), t(1, float("nan"), 2), t(1, float("inf"), 2)):
+        assert math.isnan(M.rank_at(v).item()), v
+    both = M.rank_at(torch.stack([t(0, 0, 0), t(4, 4, 2)]))
+    assert math.isnan(both[0].item()) and both[1].item() == 3  # a NaN row does not spill over
+
+
+@pytest.mark.parametrize("fraction", [0, 0.0, -0.1, 1.5, float("nan"), True, "0.9", None, torch.tensor(0.9)])
+def test_rank_at_rejects_bad_fraction(fraction):
+    with pytest.raises((ValueError, TypeError), match="fraction"):
+        M.rank_at(torch.rand(10), fraction)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_clearly_negative_values_warn_roundoff_does_not(dtype):
+    D = 4
+    tol = D * torch.finfo(torch.float32).eps * 2.0  # -D·eps·max|v| with max|v| = 2 (eps at least float32's)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert M.participation_ratio(torch.tensor([2.0, 2.0, 0.0, -0.5 * tol], dtype=dtype)).item() == pytest.approx(2)
+        M.summarize(torch.tensor([2.0, 2.0, -0.5, -0.1], dtype=dtype), check_negative=False)
+        M.rank_at(torch.tensor([2.0, 2.0, -0.5, -0.1], dtype=dtype), check_negative=False)
+    v = torch.tensor([[2.0, 2.0, -0.5, -2 * tol], [1.0, 1.0, 1.0, 1.0]], dtype=dtype)
+    for fn in (M.participation_ratio, M.entropy_rank, M.summarize, M.rank_at, M.effective_dim,
+               lambda x: M.top_share(x, 1)):
+        with pytest.warns(UserWarning, match=r"^v: 2 value\(s\) below .*most negative -0\.5\)") as rec:
+            fn(v)
+        assert len(rec) == 1 and rec[0].filename == __file__  # one check, pointing at the caller
+    with pytest.warns(UserWarning):
+        torch.testing.assert_close(M.participation_ratio(v), M.participation_ratio(v.clamp_min(0)))  # still clamped
+
+
+def test_probe_rank_at_90_is_pca_components_of_the_variance(monkeypatch):
+    """rank@90 on a real probe run: ``sv`` keys use σ² of the key matrix (svdvals, squared), ``eig``
+    FFN sites the covariance eigenvalues; emission never runs the negative-value check (a sync)."""
+    from _tiny_models import batch, build  # skips this test without transformers
+    from test_probe_parity import _ffn_inputs_by_hand, _keys_by_hand
+
+    model = build("llama")
+    inputs = batch(B=3, T=12, pad="left")
+    monkeypatch.setattr(M, "_warn_negative", None)  # calling it would raise TypeError
+    records = fastspec.Probe(model).measure(inputs, step=0)
+    got = {(r.site, r.layer, r.head_index): r.value for r in records if r.metric == "rank_at_90"}
+    sigma_differs = False
+    for layer, K in _keys_by_hand(model, inputs).items():
+        for h in range(K.shape[1]):
+            sigma = torch.linalg.svdvals(K[:, h].double()).numpy()
+            assert got[("keys", layer, h)] == _rank_at_by_hand(sigma**2, 0.9)[0], (layer, h)
+            sigma_differs |= _rank_at_by_hand(sigma, 0.9)[0] != _rank_at_by_hand(sigma**2, 0.9)[0]
+    assert sigma_differs  # the test tells σ² from σ
+    keep = inputs["attention_mask"].bool()
+    for layer, x in _ffn_inputs_by_hand(model, inputs).items():
+        lam = torch.linalg.eigvalsh(torch.cov(x[keep].double().T)).numpy()
+        assert got[("ffn", layer, None)] == _rank_at_by_hand(lam, 0.9)[0]

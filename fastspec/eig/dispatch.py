@@ -13,12 +13,20 @@ Backends:
   else ``"torch"``. When ``"cuda"`` would apply but the extension is not usable, one log line on
   the ``fastspec`` logger says why (once per process) and torch is used.
 
-Native backends return NaN for every eigenvalue of a matrix whose lower triangle holds NaN/Inf
-(its batch neighbours are unaffected), and have no autograd: use ``"torch"`` for gradients.
+Every backend returns NaN for every eigenvalue of a matrix whose lower triangle holds NaN/Inf,
+its batch neighbours unaffected (``torch.linalg.eigvalsh`` alone raises, or returns garbage, on
+such input: the torch backend solves a zero stand-in for it, without a host sync). The native
+backends have no autograd: use ``"torch"`` for gradients.
+
+Arrays of other libraries that speak DLPack (``__dlpack__``: CuPy, NumPy >= 1.22, JAX) go in
+zero-copy through ``torch.from_dlpack`` and come back as the input's type through its library's
+``from_dlpack`` (found from the array's type among the modules already imported).
 """
 from __future__ import annotations
 
 import logging
+import sys
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -31,9 +39,26 @@ log = logging.getLogger("fastspec")
 _fallback_logged = False
 
 
+# top-level module of an array type -> the module with its from_dlpack, where they differ
+_FROM_DLPACK_MODULE = {"jaxlib": "jax.numpy", "jax": "jax.numpy"}
+
+
+def _from_dlpack_of(A: object) -> Callable | None:
+    """The ``from_dlpack`` of the library that made ``A`` (its type's module or a parent of it,
+    e.g. ``cupy`` for ``cupy._core.core.ndarray``), looked up in ``sys.modules`` (never imports)."""
+    mod = type(A).__module__ or ""
+    names = [mod.rsplit(".", i)[0] for i in range(mod.count(".") + 1)]
+    for name in (_FROM_DLPACK_MODULE.get(names[-1], ""), *names):
+        f = getattr(sys.modules.get(name), "from_dlpack", None)
+        if callable(f):
+            return f
+    return None
+
+
 def _check(A: Tensor) -> None:
     if not isinstance(A, Tensor):
-        raise TypeError(f"A: expected a torch.Tensor [..., n, n], got {type(A).__name__}")
+        raise TypeError(f"A: expected a torch.Tensor or a DLPack array (__dlpack__) [..., n, n], "
+                        f"got {type(A).__name__}")
     if A.is_complex() or not A.is_floating_point():
         raise TypeError(f"A: expected a real floating dtype, got {A.dtype}")
     if A.dim() < 2 or A.shape[-1] != A.shape[-2]:
@@ -59,13 +84,30 @@ def _auto(A: Tensor) -> str:
     return "cuda"
 
 
+def _torch_eigvalsh(A: Tensor) -> Tensor:
+    """``torch.linalg.eigvalsh`` with the native backends' NaN rule: a matrix whose lower triangle
+    holds NaN/Inf gets all-NaN eigenvalues, solved as a zero matrix so LAPACK never sees it."""
+    # unsqueeze, not [..., None]: Ellipsis indexing breaks FakeTensorMode CUDA tensors on CPU builds
+    bad = torch.isfinite(A).logical_not().tril_().flatten(-2).any(-1).unsqueeze(-1)  # [..., 1]
+    w = torch.linalg.eigvalsh(torch.where(bad.unsqueeze(-1), 0, A))
+    return w.masked_fill(bad, float("nan"))
+
+
 def eigvalsh(A: Tensor, *, backend: str = "auto") -> Tensor:
     """Eigenvalues ``[..., n]`` (ascending) of symmetric ``A: [..., n, n]``, lower triangle used.
 
     ``backend``: ``"auto"`` | ``"torch"`` | ``"cuda"`` | ``"host"`` (module docstring).
-    The native backends run through ``torch.ops.fastspec.eigvalsh`` (a ``torch.library``
-    custom op with a fake implementation), so this works under ``torch.compile``.
+    A matrix with NaN/Inf in its lower triangle gets ``n`` NaNs on every backend. ``A`` may also be
+    a DLPack array (CuPy, NumPy, JAX): solved zero-copy on its device, returned as the same type
+    and dtype. The native backends run through ``torch.ops.fastspec.eigvalsh`` (a
+    ``torch.library`` custom op with a fake implementation), so this works under ``torch.compile``.
     """
+    if not isinstance(A, Tensor) and hasattr(A, "__dlpack__") and not isinstance(A, type):
+        back = _from_dlpack_of(A)
+        if back is None:
+            raise TypeError(f"A: {type(A).__module__}.{type(A).__name__} has __dlpack__, but no from_dlpack "
+                            "was found in its library to return the result; pass a torch.Tensor")
+        return back(eigvalsh(torch.from_dlpack(A), backend=backend))
     _check(A)
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
@@ -74,7 +116,7 @@ def eigvalsh(A: Tensor, *, backend: str = "auto") -> Tensor:
     if backend == "auto":
         backend = _auto(A)
     if backend == "torch":
-        return torch.linalg.eigvalsh(A)
+        return _torch_eigvalsh(A)
     expected = "cuda" if backend == "cuda" else "cpu"
     if A.device.type != expected:
         raise ValueError(f"A: backend={backend!r} takes {expected} tensors, got device {A.device}")

@@ -5,9 +5,11 @@
 2. One eigensolve per (convention, D, device) over every site and layer (one batched launch on
    CUDA), in the solve dtype of ``fastspec.covariance.policy.solve_dtype``: float64 for ``sv``,
    where ``σ = sqrt(λ)`` would turn a float32 solve's ``eps·λ_max`` into ``sqrt(eps)·σ_max``.
-3. One :func:`~fastspec.metrics.summarize` per group, plus ``lambda_max``, ``n``, ``rejected``
-   per head, and the layer's γ values (``gamma.py``), packed into one tensor that
-   :class:`~fastspec.probe.record.PendingRecords` copies to the host asynchronously.
+3. One :func:`~fastspec.metrics.summarize` per group, plus ``rank_at_90`` (on the variances:
+   ``λ`` for ``eig``, ``σ²`` for ``sv``), ``lambda_max``, ``n``, ``rejected`` per head, and the
+   layer's γ values (``gamma.py``), packed into one tensor that
+   :class:`~fastspec.probe.record.PendingRecords` copies to the host asynchronously. The spectra
+   come from PSD matrices and are clamped, so the metrics skip their negative-value check (a sync).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from torch import Tensor, nn
 
 from ..covariance import Covariance, spectra
 from ..covariance.distributed import is_distributed
-from ..metrics import summarize
+from ..metrics import rank_at, summarize
 from .families import Family
 from .gamma import gamma_values
 from .record import PendingRecords, RecordKey
@@ -31,9 +33,10 @@ SPECTRUM_METRICS = (
     "spectral_concentration", "sui", "effective_dim", "utilization", "ghost_dims",
     "top1_share", "top10pct_share",
 )
-# what every headed site reports per head: the spectrum metrics, the top eigenvalue of the
-# matrix the convention describes, rows merged, and rows refused for NaN/Inf
-RECORD_METRICS = (*SPECTRUM_METRICS, "lambda_max", "n", "rejected")
+# what every headed site reports per head: the spectrum metrics, the components holding 90% of
+# the variance, the top eigenvalue of the matrix the convention describes, rows merged, and rows
+# refused for NaN/Inf
+RECORD_METRICS = (*SPECTRUM_METRICS, "rank_at_90", "lambda_max", "n", "rejected")
 SYNC_MODES = ("all", "rank0", "none")
 
 Item = tuple[SiteKey, SiteCovariance, Covariance]
@@ -105,14 +108,19 @@ class Emitter:
         """Per item, its ``[len(RECORD_METRICS), S]`` float64 block of values."""
         blocks: list[Tensor | None] = [None] * len(items)
         for spec, parts in self._solve(items):
-            m = summarize(spec)
+            m = summarize(spec, check_negative=False)
             cols = torch.stack([getattr(m, name).double() for name in SPECTRUM_METRICS])  # [M, ΣS]
+            # variance per direction: λ of C for eig; σ² (energy of the uncentred rows) for sv, as in
+            # PCA's "components for 90% explained variance" of the key matrix
+            sv = items[parts[0][0]][1].convention == "sv"
+            r90 = rank_at(spec.square() if sv else spec, 0.9, check_negative=False).double()
             for i, sl in parts:
                 _, acc, cov = items[i]
                 n = cov.n.double().reshape(-1)
                 top = spec[sl, 0].double()
                 lam_max = top if acc.convention == "eig" else top.square() / n  # sv: top eigenvalue of XᵀX/n
-                blocks[i] = torch.cat([cols[:, sl], torch.stack([lam_max, n, cov.rejected.double().reshape(-1)])])
+                rest = [r90[sl], lam_max, n, cov.rejected.double().reshape(-1)]
+                blocks[i] = torch.cat([cols[:, sl], torch.stack(rest)])
         return blocks
 
     def records(self, collector: Collector, step: int, tokens_seen: int | None, protocol: str,
