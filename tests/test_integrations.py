@@ -89,14 +89,14 @@ def test_tensorboard_scalars_and_heatmap(tmp_path):
     assert img.step == 9 and (img.height, img.width) == (2 * 16, 3 * 16)
 
 
-def _wandb_history(path) -> list[dict]:
-    """History rows of an offline ``.wandb`` file: a LevelDB-format log (7-byte header, 32 KiB
-    blocks, records of crc32/length/type + payload) of W&B's own ``Record`` protobufs."""
+def _wandb_records(path) -> list:
+    """W&B's own ``Record`` protobufs in an offline ``.wandb`` file: a LevelDB-format log (7-byte
+    header, 32 KiB blocks, records of crc32/length/type + payload)."""
     import struct
 
     from wandb.proto import wandb_internal_pb2 as pb
 
-    raw, pos, block, buf, rows = path.read_bytes(), 7, 32768, b"", []
+    raw, pos, block, buf, records = path.read_bytes(), 7, 32768, b"", []
     while pos + 7 <= len(raw):
         if block - pos % block < 7:  # block trailer too short for a header: padding
             pos += block - pos % block
@@ -107,9 +107,14 @@ def _wandb_history(path) -> list[dict]:
             rec = pb.Record()
             rec.ParseFromString(buf)
             buf = b""
-            if rec.WhichOneof("record_type") == "history":
-                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
-    return rows
+            records.append(rec)
+    return records
+
+
+def _wandb_history(path) -> list[dict]:
+    """History rows of an offline ``.wandb`` file."""
+    return [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+            for rec in _wandb_records(path) if rec.WhichOneof("record_type") == "history"]
 
 
 def test_wandb_offline_run_gets_scalars_and_image(tmp_path, monkeypatch):
@@ -137,6 +142,57 @@ def test_wandb_offline_run_gets_scalars_and_image(tmp_path, monkeypatch):
             history[0]["fastspec/keys/participation_ratio/heatmap/width"]) == (2 * 16, 3 * 16)
     with pytest.raises(ValueError, match="run"):
         log_to_wandb(_records(), run=None)
+
+
+def _alerts():
+    """What ``RankCollapseAlert`` finds in :func:`_records`: layer 0's key PR (mean 2) below 5."""
+    from fastspec.integrations.alerts import RankCollapseAlert
+
+    fired = RankCollapseAlert(threshold=5.0, action=None).check(_records(step=9))
+    assert [(a.step, a.layer, a.kind) for a in fired] == [(9, 0, "below_threshold")]
+    return fired
+
+
+def test_tensorboard_alert_count_and_messages(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    from fastspec.integrations.tensorboard import log_to_tensorboard
+
+    writer = SummaryWriter(log_dir=str(tmp_path))
+    assert log_to_tensorboard(writer, _records(step=5), alerts=[])["fastspec/alerts"] == 0.0
+    (alert,) = _alerts()
+    log_to_tensorboard(writer, _records(step=9), alerts=[alert])
+    log_to_tensorboard(writer, _records(step=12))  # no alerts= given: no count either
+    writer.close()
+    acc = EventAccumulator(str(tmp_path), size_guidance={"tensors": 0, "scalars": 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("fastspec/alerts")] == [(5, 0.0), (9, 1.0)]
+    (text,) = acc.Tensors("fastspec/alerts/messages/text_summary")  # add_text appends the suffix
+    assert text.step == 9 and text.tensor_proto.string_val[0].decode() == alert.message
+
+
+def test_wandb_alerts_are_counted_and_sent(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    from fastspec.integrations.wandb import log_to_wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    (alert,) = _alerts()
+    run = wandb.init(mode="offline", dir=str(tmp_path), project="fastspec-tests")
+    try:
+        payload = log_to_wandb(_records(step=9), run=run, alerts=[alert])
+    finally:
+        run.finish()
+        wandb.teardown()
+    assert payload["fastspec/alerts"] == 1
+    (log,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    records = _wandb_records(log)
+    sent = [r.alert for r in records if r.WhichOneof("record_type") == "alert"]
+    assert [(a.title, a.text, a.level) for a in sent] == [
+        ("fastspec below_threshold: keys layer 0", alert.message, "WARN")]
+    assert _wandb_history(log)[0]["fastspec/alerts"] == 1
 
 
 # ------------------------------------------------------------------ training-loop callbacks

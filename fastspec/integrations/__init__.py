@@ -8,6 +8,8 @@ Each integration lives in its own module and imports its library only there, so
 ``integrations.wandb``         ``log_to_wandb(records, run=None)``
 ``integrations.lightning``     ``FastspecCallback`` (``lightning.pytorch.Callback``)
 ``integrations.hf``            ``FastspecTrainerCallback`` (``transformers.TrainerCallback``)
+``integrations.alerts``        ``RankCollapseAlert(threshold=, drop=).check(records)``: rank-collapse
+                               alerts, also ``alerts=`` of both callbacks (docs/alerts.md)
 =============================  ===============================================
 
 All of them log the same flat scalars (:func:`scalars`) and optionally one layer × head
@@ -19,26 +21,10 @@ from collections import defaultdict
 
 import numpy as np
 
-__all__ = ["scalars", "heatmap", "heatmap_image", "as_dicts"]
+from ._records import as_dicts
+from .alerts import Alert, RankCollapseAlert
 
-
-def as_dicts(records) -> list[dict]:
-    """Records (``Record``s or dicts) as dicts with the Record fields (a dict from an older file
-    that names the head ``head`` gets ``head_index``; a missing ``protocol`` is None)."""
-    out = []
-    for r in records:
-        if hasattr(r, "as_dict"):
-            out.append(r.as_dict())
-        elif isinstance(r, dict):
-            r = dict(r)
-            if "head" in r and "head_index" not in r:
-                r["head_index"] = r.pop("head")
-            r.setdefault("head_index", None)
-            r.setdefault("protocol", None)
-            out.append(r)
-        else:
-            raise TypeError(f"records: expected Record objects or dicts, got {type(r).__name__}")
-    return out
+__all__ = ["scalars", "heatmap", "heatmap_image", "as_dicts", "Alert", "RankCollapseAlert"]
 
 
 def scalars(records, prefix: str = "fastspec") -> dict[str, float]:
@@ -110,3 +96,4 @@ def heatmap_image(grid: np.ndarray, scale: int = 16) -> np.ndarray:
     rgb[~finite] = 0.0
     img = (rgb * 255).round().astype(np.uint8)
     return img.repeat(scale, axis=0).repeat(scale, axis=1)
+

@@ -1,4 +1,5 @@
-"""What the Lightning and HF callbacks share: building the probe, moving the batch, the schedule."""
+"""What the Lightning and HF callbacks share: building the probe, moving the batch, the schedule,
+checking ``alerts``."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
@@ -10,6 +11,16 @@ def check_every(every_n_steps) -> int:
     if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
         raise ValueError(f"every_n_steps: expected a positive int, got {every_n_steps!r}")
     return every_n_steps
+
+
+def check_alerts(alerts):
+    """``alerts`` (a ``RankCollapseAlert`` or None), checked."""
+    from .alerts import RankCollapseAlert
+
+    if alerts is not None and not isinstance(alerts, RankCollapseAlert):
+        raise TypeError(f"alerts: expected a fastspec.integrations.alerts.RankCollapseAlert or None, "
+                        f"got {type(alerts).__name__}")
+    return alerts
 
 
 def to_device(batch, device: torch.device):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from transformers import TrainerCallback
 
 from . import scalars
-from ._schedule import check_every, make_probe, model_device, to_device
+from ._schedule import check_alerts, check_every, make_probe, model_device, to_device
 
 
 class FastspecTrainerCallback(TrainerCallback):
@@ -21,13 +21,19 @@ class FastspecTrainerCallback(TrainerCallback):
         probe: a :class:`fastspec.Probe`, a factory ``model -> Probe``, or None to build
             ``Probe(model, **probe_kwargs)`` when training begins.
         tokens_per_step: if given, ``tokens_seen = step · tokens_per_step`` in the records.
+        alerts: a :class:`fastspec.integrations.alerts.RankCollapseAlert` checking every
+            measurement (docs/alerts.md). The number of new alerts is logged as
+            ``{prefix}/alerts`` with the scalars (and to ``writer``, with their messages), then
+            the alert's ``action`` runs (``"raise"`` stops ``trainer.train``). A resumed run
+            restores its reference with ``alerts.load_state_dict`` (the Trainer keeps no
+            callback state).
 
-    All records stay available as ``callback.records``.
+    All records stay available as ``callback.records``, every alert as ``callback.alerts.fired``.
     """
 
     def __init__(self, batch, every_n_steps: int = 100, *, probe=None, probe_kwargs: dict | None = None,
-                 tokens_per_step: int | None = None, writer=None, prefix: str = "fastspec"):
-        self.batch, self.every = batch, check_every(every_n_steps)
+                 tokens_per_step: int | None = None, writer=None, prefix: str = "fastspec", alerts=None):
+        self.batch, self.every, self.alerts = batch, check_every(every_n_steps), check_alerts(alerts)
         self._probe_arg, self.probe_kwargs = probe, probe_kwargs
         self.tokens_per_step, self.writer, self.prefix = tokens_per_step, writer, prefix
         self.probe = None
@@ -43,11 +49,16 @@ class FastspecTrainerCallback(TrainerCallback):
         new = self.probe.measure(to_device(self.batch, model_device(model)), step=step, tokens_seen=tokens)
         self.records.extend(new)
         values = scalars(new, self.prefix)
+        fired = None if self.alerts is None else self.alerts.check(new, notify=False)
+        if fired is not None:
+            values[f"{self.prefix}/alerts"] = len(fired)
         state.log_history.append({**values, "step": step})
         if self.writer is not None:
             from .tensorboard import log_to_tensorboard
 
-            log_to_tensorboard(self.writer, new, step=step, prefix=self.prefix)
+            log_to_tensorboard(self.writer, new, step=step, prefix=self.prefix, alerts=fired)
+        if fired:
+            self.alerts.notify(fired)  # after logging: "raise" must not lose this measurement
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if state.global_step % self.every == 0:

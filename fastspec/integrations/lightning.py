@@ -10,7 +10,7 @@ except ImportError:  # the pre-2.0 package name
     from pytorch_lightning import Callback
 
 from . import scalars
-from ._schedule import check_every, make_probe, model_device, to_device
+from ._schedule import check_alerts, check_every, make_probe, model_device, to_device
 
 
 class FastspecCallback(Callback):
@@ -26,14 +26,19 @@ class FastspecCallback(Callback):
         model_attr: attribute of the LightningModule holding the network to probe (e.g.
             ``"model"`` for a wrapped HF model); None probes the LightningModule itself.
         tokens_per_step: if given, ``tokens_seen = step · tokens_per_step`` in the records.
+        alerts: a :class:`fastspec.integrations.alerts.RankCollapseAlert` checking every
+            measurement (docs/alerts.md). The number of new alerts goes to the loggers as
+            ``{prefix}/alerts`` with the scalars, then the alert's ``action`` runs (``"raise"``
+            stops ``trainer.fit``). Its state is saved in the checkpoint with the callback's.
 
-    All records stay available as ``callback.records``.
+    All records stay available as ``callback.records``, every alert as ``callback.alerts.fired``.
     """
 
     def __init__(self, batch, every_n_steps: int = 100, *, probe=None, probe_kwargs: dict | None = None,
-                 model_attr: str | None = None, tokens_per_step: int | None = None, prefix: str = "fastspec"):
+                 model_attr: str | None = None, tokens_per_step: int | None = None, prefix: str = "fastspec",
+                 alerts=None):
         super().__init__()
-        self.batch, self.every = batch, check_every(every_n_steps)
+        self.batch, self.every, self.alerts = batch, check_every(every_n_steps), check_alerts(alerts)
         self._probe_arg, self.probe_kwargs, self.model_attr = probe, probe_kwargs, model_attr
         self.tokens_per_step, self.prefix = tokens_per_step, prefix
         self.probe = None
@@ -57,8 +62,20 @@ class FastspecCallback(Callback):
         new = self.probe.measure(to_device(self.batch, model_device(model)), step=step, tokens_seen=tokens)
         self.records.extend(new)
         values = scalars(new, self.prefix)
+        fired = None if self.alerts is None else self.alerts.check(new, notify=False)
+        if fired is not None:
+            values[f"{self.prefix}/alerts"] = float(len(fired))
         for logger in trainer.loggers:
             logger.log_metrics(values, step=step)
+        if fired:
+            self.alerts.notify(fired)  # after logging: "raise" must not lose this measurement
+
+    def state_dict(self) -> dict:
+        return {} if self.alerts is None else {"alerts": self.alerts.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if self.alerts is not None and "alerts" in state_dict:
+            self.alerts.load_state_dict(state_dict["alerts"])
 
     def on_train_start(self, trainer, pl_module) -> None:
         if trainer.global_step % self.every == 0:

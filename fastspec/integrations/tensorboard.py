@@ -8,11 +8,15 @@ from . import as_dicts, heatmap, heatmap_image, scalars
 
 
 def log_to_tensorboard(writer, records, *, step: int | None = None, prefix: str = "fastspec",
-                       heatmap_of: tuple[str, str] | None = ("keys", "participation_ratio")) -> dict[str, float]:
+                       heatmap_of: tuple[str, str] | None = ("keys", "participation_ratio"),
+                       alerts=None) -> dict[str, float]:
     """Write :func:`fastspec.integrations.scalars` of ``records`` with ``writer.add_scalar`` and,
     when those records exist, the ``heatmap_of=(site, metric)`` grid as image
     ``{prefix}/{site}/{metric}/heatmap`` (rows = layers, columns = heads).
 
+    ``alerts``: the :class:`~fastspec.integrations.alerts.Alert` list that
+    ``RankCollapseAlert.check`` returned for these records: their number goes to scalar
+    ``{prefix}/alerts`` and, when there are any, their messages to text ``{prefix}/alerts/messages``.
     ``step``: default the records' largest ``step``. Returns the logged scalars.
     """
     rows = as_dicts(records)
@@ -20,6 +24,10 @@ def log_to_tensorboard(writer, records, *, step: int | None = None, prefix: str 
         return {}
     step = max(int(r["step"]) for r in rows) if step is None else step
     values = scalars(rows, prefix)
+    if alerts is not None:
+        values[f"{prefix}/alerts"] = float(len(alerts))
+        if alerts:
+            writer.add_text(f"{prefix}/alerts/messages", "\n\n".join(a.message for a in alerts), global_step=step)
     for tag, v in values.items():
         writer.add_scalar(tag, v, global_step=step)
     if heatmap_of is not None and any(r["site"] == heatmap_of[0] and r["metric"] == heatmap_of[1]
