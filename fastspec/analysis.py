@@ -9,6 +9,14 @@ and returns a ``pandas.DataFrame``. Records hold one value per (layer, head); pe
 are the mean over heads, whole-model values the mean over layers of those (the aggregation of
 docs/protocols.md). Fits build on :func:`fastspec.fit_power_law` and :func:`fastspec.tail_index`
 (docs/fits.md).
+
+Protocols are never mixed. An eval measurement (``protocol="eval"``, :meth:`fastspec.Probe.measure`
+on a fixed batch) and a streaming emission (``"stream"``, the training tokens since the last
+emission) of the same step share every other column but measure different tokens, so every
+function here reads one protocol: its ``protocol`` argument, by default ``"auto"`` =
+:func:`resolve_protocol`: ``"eval"`` when the selected site/metric has eval records, else
+``"stream"``, else the unlabelled records (``protocol`` None or ``""``, e.g. a user's own),
+which form a group of their own. Pass ``"eval"``, ``"stream"`` or ``None`` to choose.
 """
 from __future__ import annotations
 
@@ -22,6 +30,8 @@ from .fits import fit_power_law, tail_index
 
 __all__ = [
     "to_frame",
+    "resolve_protocol",
+    "site_dimension",
     "layer_means",
     "trajectory",
     "summary_table",
@@ -35,6 +45,7 @@ __all__ = [
 RECORD_COLUMNS = ["step", "tokens_seen", "site", "layer", "head_index", "metric", "value"]
 # The key-rank study's headline quantity (docs/protocols.md) and the default everywhere below.
 KEY_SITE, KEY_METRIC = "keys", "participation_ratio"
+AUTO = "auto"
 
 
 def to_frame(records) -> pd.DataFrame:
@@ -81,17 +92,75 @@ def _in_condition_order(out: pd.DataFrame, df: pd.DataFrame, *cols: str) -> pd.D
     return out.drop(columns="_o").reset_index(drop=True)
 
 
-def _select(df: pd.DataFrame, site: str, metric: str) -> pd.DataFrame:
+def _protocols(df: pd.DataFrame) -> pd.Series:
+    """The ``protocol`` column with None/NaN as ``""``: the unlabelled records are one group."""
+    p = df["protocol"]
+    return p.astype(object).where(p.notna(), "").astype(str)
+
+
+def _pick_protocol(have: set[str], protocol, what: str) -> str:
+    """The protocol group (``""`` = unlabelled) that ``protocol`` selects among ``have``."""
+    show = [h or None for h in sorted(have)]
+    if protocol == AUTO:
+        for preferred in ("eval", "stream"):
+            if preferred in have:
+                return preferred
+        if len(have) == 1:
+            return next(iter(have))
+        raise ValueError(f"protocol: {what} has records of protocols {show}; pass one of them")
+    if protocol is not None and not isinstance(protocol, str):
+        raise ValueError(f"protocol: expected 'auto', 'eval', 'stream' or None, got {protocol!r}")
+    want = protocol or ""
+    if want not in have:
+        raise ValueError(f"protocol: no {what} records with protocol {protocol!r}; have {show}")
+    return want
+
+
+def _select(df: pd.DataFrame, site: str, metric: str, protocol=AUTO) -> pd.DataFrame:
+    """Records of ``site``/``metric`` from one protocol (see the module docstring)."""
     sel = df[(df["site"] == site) & (df["metric"] == metric)]
     if sel.empty:
         have = sorted({f"{s}/{m}" for s, m in zip(df["site"], df["metric"])})
         raise ValueError(f"site, metric: no records for {site}/{metric}; have {have}")
-    return sel
+    groups = _protocols(sel)
+    return sel[groups == _pick_protocol(set(groups), protocol, f"{site}/{metric}")]
 
 
-def layer_means(records, site: str = KEY_SITE, metric: str = KEY_METRIC) -> pd.DataFrame:
-    """Mean over heads per (condition, step, layer): columns condition, step, tokens_seen, layer, value."""
-    df = _select(to_frame(records), site, metric)
+def resolve_protocol(records, site: str = KEY_SITE, metric: str = KEY_METRIC, protocol=AUTO) -> str | None:
+    """The protocol the functions of this module read for ``site``/``metric``: ``"eval"``,
+    ``"stream"``, another label, or None for unlabelled records (see the module docstring).
+
+    Raises ValueError naming ``protocol`` when the requested group has no records, or when
+    ``"auto"`` finds neither eval nor stream records but more than one other group.
+    """
+    return _protocols(_select(to_frame(records), site, metric, protocol)).iloc[0] or None
+
+
+def site_dimension(records, site: str = KEY_SITE, protocol=AUTO) -> int | None:
+    """The width D of ``site``'s spectra (d_head for keys, d_ff for FFN), the ceiling of its PR
+    and entropy rank: ``D = participation_ratio + ghost_dims`` (``ghost_dims = D − PR``), or
+    ``PR / utilization`` without ghost dims. None when the records hold neither, or when D
+    differs between records (a width sweep)."""
+    df = to_frame(records)
+    keys = ["condition", "step", "layer", "head_index"]
+    for other, combine in (("ghost_dims", np.add), ("utilization", np.divide)):
+        if not ((df["site"] == site) & (df["metric"] == other)).any():
+            continue
+        try:
+            pr = _select(df, site, "participation_ratio", protocol)
+            ot = _select(df, site, other, _protocols(pr).iloc[0])
+        except ValueError:
+            return None
+        both = pr.merge(ot, on=keys, suffixes=("", "_o"))
+        dims = set(np.round(combine(both["value"], both["value_o"]).dropna()).astype(int).tolist())
+        return dims.pop() if len(dims) == 1 else None
+    return None
+
+
+def layer_means(records, site: str = KEY_SITE, metric: str = KEY_METRIC, protocol=AUTO) -> pd.DataFrame:
+    """Mean over heads per (condition, step, layer) of one protocol (module docstring):
+    columns condition, step, tokens_seen, layer (nullable Int64), value."""
+    df = _select(to_frame(records), site, metric, protocol)
     keys = ["condition", "step", "layer"]
     out = (df.groupby(keys, dropna=False, sort=False)
              .agg(tokens_seen=("tokens_seen", "first"), value=("value", "mean"))
@@ -99,12 +168,12 @@ def layer_means(records, site: str = KEY_SITE, metric: str = KEY_METRIC) -> pd.D
     return _in_condition_order(out[["condition", "step", "tokens_seen", "layer", "value"]], df, "step", "layer")
 
 
-def trajectory(records, site: str = KEY_SITE, metric: str = KEY_METRIC) -> pd.DataFrame:
+def trajectory(records, site: str = KEY_SITE, metric: str = KEY_METRIC, protocol=AUTO) -> pd.DataFrame:
     """Per (condition, step): mean, min, max and std across layers of the per-layer means.
 
     Columns: condition, step, tokens_seen, mean, min, max, std (std is 0 for one layer).
     """
-    lm = layer_means(records, site, metric)
+    lm = layer_means(records, site, metric, protocol)
     out = (lm.groupby(["condition", "step"], sort=False)
              .agg(tokens_seen=("tokens_seen", "first"), mean=("value", "mean"),
                   min=("value", "min"), max=("value", "max"), std=("value", lambda v: v.std(ddof=0)))
@@ -112,18 +181,19 @@ def trajectory(records, site: str = KEY_SITE, metric: str = KEY_METRIC) -> pd.Da
     return _in_condition_order(out, lm, "step")
 
 
-def summary_table(records, site: str = KEY_SITE, metric: str = KEY_METRIC) -> pd.DataFrame:
+def summary_table(records, site: str = KEY_SITE, metric: str = KEY_METRIC, protocol=AUTO) -> pd.DataFrame:
     """The demo's headline table, one row per condition (the key-rank study).
 
     ``initial``/``min``/``final``: whole-model mean (over layers of head means) at the first
     step, its minimum over steps (with ``min_step``), and at the last step. ``collapsed_layer``:
     the layer whose final per-layer mean dropped most relative to its initial value, with its
     ``collapsed_initial``/``collapsed_final``. ``train_loss``/``eval_loss``: last value of the
-    ``site="loss"`` records of those names, when present.
+    ``site="loss"`` records of those names, when present (losses are read whatever their protocol).
     """
     df = to_frame(records)
-    traj = trajectory(df, site, metric)
-    lm = layer_means(df, site, metric)
+    protocol = resolve_protocol(df, site, metric, protocol)  # once, so both tables read the same group
+    traj = trajectory(df, site, metric, protocol)
+    lm = layer_means(df, site, metric, protocol)
     rows = []
     for cond, t in traj.groupby("condition", sort=False):
         t = t.sort_values("step")
@@ -154,25 +224,40 @@ def summary_table(records, site: str = KEY_SITE, metric: str = KEY_METRIC) -> pd
     return pd.DataFrame(rows).astype({"min_step": "Int64", "collapsed_layer": "Int64"})
 
 
-def layer_table(records, site: str = KEY_SITE, metric: str = KEY_METRIC, which: str = "final") -> pd.DataFrame:
-    """Per-layer head means at the ``"initial"`` or ``"final"`` step: index layer, one column per condition."""
+def layer_table(records, site: str = KEY_SITE, metric: str = KEY_METRIC, which: str = "final",
+                protocol=AUTO) -> pd.DataFrame:
+    """Per-layer head means at the ``"initial"`` or ``"final"`` step: index layer (Int64), one
+    column per condition."""
     if which not in ("initial", "final"):
         raise ValueError(f"which: expected 'initial' or 'final', got {which!r}")
-    lm = layer_means(records, site, metric)
+    lm = layer_means(records, site, metric, protocol)
     pick = lm.groupby("condition")["step"].transform("min" if which == "initial" else "max")
     table = lm[lm["step"] == pick].pivot(index="layer", columns="condition", values="value")
     return table[list(dict.fromkeys(lm["condition"]))]  # run order, not alphabetical
 
 
-def layer_zones(records, site: str = KEY_SITE, metric: str = KEY_METRIC, n_zones: int = 3) -> pd.DataFrame:
+def _span(layers: list[int]) -> str:
+    """``[2]`` -> "2", ``[0, 1, 2]`` -> "0-2", ``[0, 2, 5]`` (layers missing between) -> "0,2,5"."""
+    if len(layers) == 1:
+        return str(layers[0])
+    if layers == list(range(layers[0], layers[-1] + 1)):
+        return f"{layers[0]}-{layers[-1]}"
+    return ",".join(map(str, layers))
+
+
+def layer_zones(records, site: str = KEY_SITE, metric: str = KEY_METRIC, n_zones: int = 3,
+                protocol=AUTO) -> pd.DataFrame:
     """Layers split into ``n_zones`` contiguous depth zones (early / middle / late for 3).
 
-    One row per (condition, zone): the zone's layers and the mean over its layers at the
-    initial and final step, and their ratio.
+    One row per (condition, zone): the zone's layers (``"2"``, ``"0-3"``), the mean over its
+    layers at the initial and final step, and their ratio. With fewer layers than ``n_zones``
+    every layer is its own zone (named as for that many zones: early / late for 2, all for 1).
     """
-    if not isinstance(n_zones, int) or n_zones < 1:
+    if not isinstance(n_zones, int) or isinstance(n_zones, bool) or n_zones < 1:
         raise ValueError(f"n_zones: expected a positive int, got {n_zones!r}")
-    ini, fin = layer_table(records, site, metric, "initial"), layer_table(records, site, metric, "final")
+    df = to_frame(records)
+    protocol = resolve_protocol(df, site, metric, protocol)
+    ini, fin = layer_table(df, site, metric, "initial", protocol), layer_table(df, site, metric, "final", protocol)
     layers = [int(i) for i in sorted(ini.index)]
     n_zones = min(n_zones, len(layers))  # never an empty zone
     names = {1: ["all"], 2: ["early", "late"], 3: ["early", "middle", "late"]}.get(
@@ -182,13 +267,14 @@ def layer_zones(records, site: str = KEY_SITE, metric: str = KEY_METRIC, n_zones
         for name, chunk in zip(names, np.array_split(np.asarray(layers), n_zones)):
             chunk = chunk.tolist()
             a, b = float(ini.loc[chunk, cond].mean()), float(fin.loc[chunk, cond].mean())
-            rows.append({"condition": cond, "zone": name, "layers": f"{chunk[0]}-{chunk[-1]}",
+            rows.append({"condition": cond, "zone": name, "layers": _span(chunk),
                          "initial": a, "final": b, "ratio": b / a})
     return pd.DataFrame(rows)
 
 
-def _per_width_layers(df: pd.DataFrame, metric: str, site: str, width_col: str, step) -> dict[float, np.ndarray]:
-    sel = _select(df, site, metric)
+def _per_width_layers(df: pd.DataFrame, metric: str, site: str, width_col: str, step,
+                      protocol=AUTO) -> dict[float, np.ndarray]:
+    sel = _select(df, site, metric, protocol)
     if step == "final":
         sel = sel[sel["step"] == sel.groupby(width_col)["step"].transform("max")]
     elif step is not None:
@@ -202,7 +288,7 @@ def _per_width_layers(df: pd.DataFrame, metric: str, site: str, width_col: str, 
 
 def width_fits(records, metrics=("participation_ratio", "entropy_rank"), *, site: str = "ffn",
                width_col: str = "width", step="final", n_boot: int = 1000, ci: float = 0.95,
-               seed: int = 0) -> pd.DataFrame:
+               seed: int = 0, protocol=AUTO) -> pd.DataFrame:
     """Power-law fits of layer-median ``metric`` vs width across a width sweep (docs/fits.md).
 
     ``records`` must carry a ``width_col`` column (the FFN width D of the model each record
@@ -210,7 +296,7 @@ def width_fits(records, metrics=("participation_ratio", "entropy_rank"), *, site
     median over layers; ``log median = β log D + c`` is fitted with :func:`fastspec.fit_power_law`.
     The CI on β is a percentile bootstrap over layers: each replicate resamples every width's
     layers with replacement and refits. ``step``: ``"final"`` (each width's last step), an int,
-    or None (all steps pooled).
+    or None (all steps pooled). ``protocol``: which records (module docstring), per metric.
 
     Returns one row per metric: metric, beta, intercept, r2, stderr, ci_low, ci_high, n_widths,
     widths, medians.
@@ -225,7 +311,7 @@ def width_fits(records, metrics=("participation_ratio", "entropy_rank"), *, site
     rng = np.random.default_rng(seed)
     rows = []
     for metric in metrics:
-        per = _per_width_layers(df, metric, site, width_col, step)
+        per = _per_width_layers(df, metric, site, width_col, step, protocol)
         widths = np.array(sorted(per))
         medians = np.array([np.median(per[w]) for w in widths])
         fit = fit_power_law(widths, medians)

@@ -33,13 +33,51 @@ def _label(site: str, metric: str) -> str:
     return f"{site} {metric.replace('_', ' ')}"
 
 
+# metrics whose value per head is at most the spectrum width D: drawn with a ceiling line
+BOUNDED = ("participation_ratio", "entropy_rank", "effective_dim", "rank_at_90")
+
+
+def _ceiling(df, site: str, metric: str, protocol, ceiling) -> float | None:
+    """The ceiling D to draw: ``ceiling`` if a number, None if None, else (``"auto"``) the width of
+    ``site``'s spectra from the records (:func:`fastspec.analysis.site_dimension`) for bounded metrics."""
+    if ceiling is None or (ceiling == "auto" and metric not in BOUNDED):
+        return None
+    if ceiling == "auto":
+        return analysis.site_dimension(df, site, protocol)
+    if isinstance(ceiling, bool) or not isinstance(ceiling, (int, float)) or not ceiling > 0:
+        raise ValueError(f"ceiling: expected 'auto', None or a positive number, got {ceiling!r}")
+    return ceiling
+
+
+def _draw_ceiling(ax, D: float | None, top: float, site: str) -> None:
+    """A dashed line at the ceiling D (``gid="ceiling"``); when D is over 4× the largest value
+    (FFN PR ~4 under d_ff = 192) only a legend entry saying so, since the line would flatten the data."""
+    if D is None:
+        return
+    name = {"ffn": "d_ff"}.get(site, "d_head" if site.startswith(("keys", "quer")) else "D")
+    if np.isfinite(top) and D > 4 * top:
+        ax.plot([], [], ls="none", label=f"ceiling {name} = {D:g} (off scale)", gid="ceiling")
+    else:
+        ax.axhline(D, ls="--", lw=1, color="0.3", label=f"ceiling {name} = {D:g}", gid="ceiling")
+
+
+def _per_head(df, site: str, metric: str, protocol) -> str:
+    """How a per-layer value was formed: "mean over heads" for per-head sites, nothing for FFN."""
+    heads = analysis._select(df, site, metric, protocol)["head_index"].notna().any()
+    return " (mean over heads)" if heads else ""
+
+
 def trajectory_plot(records, site: str = analysis.KEY_SITE, metric: str = analysis.KEY_METRIC, *,
-                    x: str = "tokens_seen"):
+                    x: str = "tokens_seen", protocol="auto", ceiling="auto"):
     """Whole-model mean of ``metric`` vs ``x`` (``"tokens_seen"`` or ``"step"``), one line per
-    condition, shaded between the lowest and highest layer."""
+    condition, shaded between the lowest and highest layer. ``protocol``: which records
+    (:mod:`fastspec.analysis`). ``ceiling``: the dashed line at D (``"auto"``: the spectrum width
+    for PR-like metrics, from the records), a number, or None."""
     if x not in ("tokens_seen", "step"):
         raise ValueError(f"x: expected 'tokens_seen' or 'step', got {x!r}")
-    traj = analysis.trajectory(records, site, metric)
+    df = analysis.to_frame(records)
+    protocol = analysis.resolve_protocol(df, site, metric, protocol)
+    traj = analysis.trajectory(df, site, metric, protocol)
     if x == "tokens_seen" and traj["tokens_seen"].isna().any():
         x = "step"
     fig = _figure()
@@ -49,27 +87,41 @@ def trajectory_plot(records, site: str = analysis.KEY_SITE, metric: str = analys
         xs = t[x].to_numpy(dtype=float)
         (line,) = ax.plot(xs, t["mean"], marker="o", ms=3, label=cond or "run")
         ax.fill_between(xs, t["min"], t["max"], color=line.get_color(), alpha=0.2, lw=0)
+    _draw_ceiling(ax, _ceiling(df, site, metric, protocol, ceiling), traj["max"].max(), site)
     ax.set_xlabel("tokens seen" if x == "tokens_seen" else "step")
     ax.set_ylabel(_label(site, metric))
-    ax.set_title("mean over layers; band: lowest to highest layer")
+    heads = "heads, then " if _per_head(df, site, metric, protocol) else ""
+    ax.set_title(f"mean over {heads}layers; band: lowest to highest layer")
     ax.legend()
     ax.grid(alpha=0.3)
     return fig
 
 
 def layer_heatmap(records, site: str = analysis.KEY_SITE, metric: str = analysis.KEY_METRIC, *,
-                  condition: str | None = None):
-    """Layer × step heatmap of the per-layer head mean, one panel per condition (or just ``condition``)."""
-    lm = analysis.layer_means(records, site, metric)
+                  condition: str | None = None, protocol="auto", percentiles=(2, 98)):
+    """Layer × step heatmap of the per-layer head mean, one panel per condition (or just ``condition``).
+
+    The colour limits are the ``percentiles`` of every value after each condition's first probe
+    (the random-init step sits far from the rest and would swamp the scale); values outside are
+    clipped to the end colours and the colorbar says so. ``percentiles=(0, 100)`` and one probe
+    per condition give the full range."""
+    lo, hi = percentiles
+    if not 0 <= lo < hi <= 100:
+        raise ValueError(f"percentiles: expected (lo, hi) with 0 <= lo < hi <= 100, got {percentiles!r}")
+    df = analysis.to_frame(records)
+    protocol = analysis.resolve_protocol(df, site, metric, protocol)
+    lm = analysis.layer_means(df, site, metric, protocol)
     conds = list(dict.fromkeys(lm["condition"])) if condition is None else [condition]
     if condition is not None and condition not in set(lm["condition"]):
         raise ValueError(f"condition: {condition!r} not in records ({sorted(set(lm['condition']))})")
-    vmin, vmax = lm["value"].min(), lm["value"].max()
+    later = lm.loc[lm["step"] != lm.groupby("condition")["step"].transform("min"), "value"].dropna()
+    pool = later if len(later) else lm["value"].dropna()
+    vmin, vmax = (np.percentile(pool, [lo, hi]) if len(pool) else (0.0, 1.0))
     fig = _figure(4.0 * len(conds) + 1.0, 3.6)
     axes = fig.subplots(1, len(conds), squeeze=False)[0]
     for ax, cond in zip(axes, conds):
         grid = lm[lm["condition"] == cond].pivot(index="layer", columns="step", values="value")
-        im = ax.imshow(grid.to_numpy(), aspect="auto", origin="lower", vmin=vmin, vmax=vmax,
+        im = ax.imshow(grid.to_numpy(dtype=float), aspect="auto", origin="lower", vmin=vmin, vmax=vmax,
                        cmap="viridis", interpolation="nearest")
         steps = grid.columns.to_numpy()
         ticks = np.unique(np.linspace(0, len(steps) - 1, min(6, len(steps))).round().astype(int))
@@ -78,34 +130,54 @@ def layer_heatmap(records, site: str = analysis.KEY_SITE, metric: str = analysis
         ax.set_xlabel("step")
         ax.set_ylabel("layer")
         ax.set_title(cond or "run")
-    fig.colorbar(im, ax=list(axes), label=_label(site, metric))
+    values = lm["value"].dropna()
+    extend = {(False, False): "neither", (True, False): "min", (False, True): "max", (True, True): "both"}[
+        (bool((values < vmin).any()), bool((values > vmax).any()))]
+    scale = "full range" if len(later) == 0 else f"colours: {lo:g}–{hi:g}th percentile, first probe excluded"
+    fig.colorbar(im, ax=list(axes), extend=extend, label=f"{_label(site, metric)}\n({scale})")
+    fig.suptitle(f"{_label(site, metric)} per layer{_per_head(df, site, metric, protocol)}")
     return fig
 
 
 def layer_bars(records, site: str = analysis.KEY_SITE, metric: str = analysis.KEY_METRIC, *,
-               conditions: tuple[str, str] | None = None):
+               conditions: tuple[str, str] | None = None, protocol="auto", ceiling="auto",
+               min_percent: float = 5.0):
     """Per-layer bars at the final step, one bar per condition; with two ``conditions`` (a, b)
-    a second panel shows the difference ``a − b`` per layer."""
-    table = analysis.layer_table(records, site, metric, "final")
+    a second panel shows the relative difference ``100 · (a − b) / b`` per layer, in percent, on
+    a symmetric axis of at least ``±min_percent`` (so that a 1–2% single-seed difference does not
+    fill the panel). The legend sits above the panels, clear of the bars."""
+    df = analysis.to_frame(records)
+    protocol = analysis.resolve_protocol(df, site, metric, protocol)
+    table = analysis.layer_table(df, site, metric, "final", protocol)
     if conditions is not None:
         bad = [c for c in conditions if c not in table.columns]
         if len(conditions) != 2 or bad:
             raise ValueError(f"conditions: expected two of {list(table.columns)}, got {conditions!r}")
-    fig = _figure(6.4, 5.6 if conditions else 4.0)
+    fig = _figure(6.4, 5.8 if conditions else 4.2)
     axes = fig.subplots(2 if conditions else 1, 1, squeeze=False)[:, 0]
-    layers = table.index.to_numpy()
+    layers = table.index.to_numpy(dtype=int)
     width = 0.8 / len(table.columns)
     for i, cond in enumerate(table.columns):
         axes[0].bar(layers + (i - (len(table.columns) - 1) / 2) * width, table[cond], width, label=cond or "run")
+    _draw_ceiling(axes[0], _ceiling(df, site, metric, protocol, ceiling), float(np.nanmax(table.to_numpy())), site)
     axes[0].set_ylabel(_label(site, metric))
-    axes[0].set_title("final step, per layer (mean over heads)")
-    axes[0].legend()
+    axes[0].set_title(f"final step, per layer{_per_head(df, site, metric, protocol)}")
+    handles, labels = axes[0].get_legend_handles_labels()
+    order = sorted(range(len(labels)), key=lambda i: labels[i].startswith("ceiling"))  # conditions first
+    fig.legend([handles[i] for i in order], [labels[i] for i in order], loc="outside upper center",
+               ncols=len(labels) if len(labels) <= 3 else 2, frameon=False)
     if conditions:
         a, b = conditions
-        diff = table[a] - table[b]
-        axes[1].bar(layers, diff, 0.6, color=np.where(diff >= 0, "tab:green", "tab:red"))
+        pct = (100 * (table[a] - table[b]) / table[b]).to_numpy(dtype=float)
+        bars = axes[1].bar(layers, pct, 0.6, color=np.where(pct >= 0, "tab:green", "tab:red"))
+        axes[1].bar_label(bars, fmt="%+.1f%%", fontsize="small")
+        lim = max(min_percent, 1.25 * float(np.nanmax(np.abs(pct), initial=0.0)))
+        axes[1].set_ylim(-lim, lim)
         axes[1].axhline(0, color="k", lw=0.8)
-        axes[1].set_ylabel(f"{a} − {b}")
+        axes[1].set_ylabel(f"vs {b}, %")
+        axes[1].set_title(f"{a} relative to {b}", fontsize="medium")
+        axes[1].text(0.01, 0.97, "one run per condition: a few % can be seed noise", transform=axes[1].transAxes,
+                     ha="left", va="top", fontsize="small", color="0.3")
     axes[-1].set_xlabel("layer")
     for ax in axes:
         ax.set_xticks(layers)
@@ -113,7 +185,7 @@ def layer_bars(records, site: str = analysis.KEY_SITE, metric: str = analysis.KE
 
 
 def width_fit_plot(records, metrics=("participation_ratio", "entropy_rank"), *, site: str = "ffn",
-                   width_col: str = "width", fits=None, n_boot: int = 200):
+                   width_col: str = "width", fits=None, n_boot: int = 200, protocol="auto"):
     """Log-log layer medians vs width with the fitted power laws; β and R² in the legend.
 
     Error bars span the layers' interquartile range. ``fits``: a table from
@@ -121,11 +193,11 @@ def width_fit_plot(records, metrics=("participation_ratio", "entropy_rank"), *, 
     """
     df = analysis.to_frame(records)
     if fits is None:
-        fits = analysis.width_fits(df, metrics, site=site, width_col=width_col, n_boot=n_boot)
+        fits = analysis.width_fits(df, metrics, site=site, width_col=width_col, n_boot=n_boot, protocol=protocol)
     fig = _figure()
     ax = fig.add_subplot()
     for _, f in fits.iterrows():
-        per = analysis._per_width_layers(df, f["metric"], site, width_col, "final")
+        per = analysis._per_width_layers(df, f["metric"], site, width_col, "final", protocol)
         w = np.array(sorted(per))
         q = np.array([np.quantile(per[k], [0.25, 0.5, 0.75]) for k in w])
         (pts,) = ax.plot(w, q[:, 1], "o", ms=5)
@@ -138,6 +210,7 @@ def width_fit_plot(records, metrics=("participation_ratio", "entropy_rank"), *, 
     ax.set_yscale("log")
     ax.set_xlabel(f"{width_col} (log)")
     ax.set_ylabel("layer median (log)")
+    ax.set_title("layer median vs width; bars: interquartile range over layers")
     ax.legend()
     ax.grid(alpha=0.3, which="both")
     return fig
@@ -157,14 +230,15 @@ def _spectra_items(spectra) -> list[tuple[str, np.ndarray]]:
     return out
 
 
-def spectrum_plot(spectra, *, normalize: bool = True):
+def spectrum_plot(spectra, *, normalize: bool = True, title: str | None = None):
     """Eigen-spectra on log-log axes (rank k vs λ_k, divided by Σλ when ``normalize``).
 
     ``spectra``: a mapping name -> 1-D spectrum, or one spectrum. Zeros are not drawn.
     """
     fig = _figure()
     ax = fig.add_subplot()
-    for name, v in _spectra_items(spectra):
+    items = _spectra_items(spectra)
+    for name, v in items:
         y = v / v.sum() if normalize and v.sum() > 0 else v
         k = np.arange(1, len(v) + 1)
         keep = y > 0
@@ -173,26 +247,39 @@ def spectrum_plot(spectra, *, normalize: bool = True):
     ax.set_yscale("log")
     ax.set_xlabel("rank k")
     ax.set_ylabel("λ_k / Σλ" if normalize else "λ_k")
-    if any(name for name, _ in _spectra_items(spectra)):
+    ax.set_title(title or ("eigen-spectrum, λ_k / Σλ" if normalize else "eigen-spectrum"))
+    if any(name for name, _ in items):
         ax.legend(fontsize="small")
     ax.grid(alpha=0.3, which="both")
     return fig
 
 
-def cumulative_variance_plot(spectra):
-    """Cumulative share ``cum_k`` vs the fraction ``k/D`` of dimensions; the diagonal
-    is a flat spectrum."""
+def cumulative_variance_plot(spectra, *, title: str | None = None, share: float = 0.9):
+    """Cumulative share ``cum_k = Σ_{i≤k} λ_i / Σλ`` vs the number of components k = 1..D on a
+    log axis (a linear k/D axis crowds every realistic curve into its first few percent). The
+    dashed curve ``k/D`` is a flat spectrum of the widest D; the dotted line marks ``share``
+    (where it crosses a curve is that spectrum's rank@90 for 0.9)."""
+    if not 0 < share < 1:
+        raise ValueError(f"share: expected a fraction in (0, 1), got {share!r}")
     fig = _figure()
     ax = fig.add_subplot()
-    for name, v in _spectra_items(spectra):
+    items = _spectra_items(spectra)
+    for name, v in items:
         D = len(v)
-        cum = np.concatenate([[0.0], np.cumsum(v) / v.sum()]) if v.sum() > 0 else np.zeros(D + 1)
-        ax.plot(np.arange(D + 1) / D, cum, label=name or None)
-    ax.plot([0, 1], [0, 1], "k--", lw=0.8, label="flat")
-    ax.set_xlabel("fraction of dimensions k/D")
+        cum = np.cumsum(v) / v.sum() if v.sum() > 0 else np.zeros(D)
+        ax.plot(np.arange(1, D + 1), cum, label=name or None)
+    D = max(len(v) for _, v in items)
+    k = np.arange(1, D + 1)
+    ax.plot(k, k / D, "k--", lw=0.8, label=f"flat (D = {D})")
+    ax.axhline(share, color="0.4", ls=":", lw=0.8, label=f"{share:.0%} of the variance")
+    ax.set_xscale("log")
+    ax.set_xlim(1, max(D, 2))
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("number of components k (log)")
     ax.set_ylabel("cumulative variance share")
+    ax.set_title(title or "cumulative variance of the top k components")
     ax.legend(fontsize="small")
-    ax.grid(alpha=0.3)
+    ax.grid(alpha=0.3, which="both")
     return fig
 
 

@@ -178,3 +178,99 @@ def test_tail_fits_recover_exponent_and_lambda_max():
     assert tf.loc["a1.5", "lambda_max"] == 3.0
     batched = analysis.tail_fits(np.stack([spectra["a1.5"][::-1], spectra["a0.8"]]))  # any order
     assert list(batched["a"]) == pytest.approx([1.5, 0.8], abs=1e-9)
+
+
+def _two_protocols():
+    """Eval and streaming records of the same steps, layers and heads: eval values 10 + layer − step/10,
+    streaming values 100 higher (they measure other tokens; any average of the two is wrong)."""
+    rows = []
+    for protocol, offset in (("eval", 0.0), ("stream", 100.0)):
+        for step in (0, 10, 20):
+            for layer in range(3):
+                for head in range(2):
+                    v = 10.0 + layer - step / 10 + offset + 0.5 * head
+                    rows.append({**Record(step, step * 100, "keys", layer, head, "participation_ratio", v,
+                                          protocol).as_dict(), "condition": "a"})
+    return rows
+
+
+def test_tables_never_average_protocols():
+    rows = _two_protocols()
+    for protocol, offset in (("auto", 0.0), ("eval", 0.0), ("stream", 100.0)):
+        lm = analysis.layer_means(rows, protocol=protocol)
+        assert len(lm) == 9  # one row per (step, layer): no duplicates from the other protocol
+        for _, r in lm.iterrows():
+            assert r["value"] == pytest.approx(10.25 + r["layer"] - r["step"] / 10 + offset)
+        table = analysis.summary_table(rows, protocol=protocol).iloc[0]
+        assert (table["initial"], table["final"]) == pytest.approx((11.25 + offset, 9.25 + offset))
+        assert analysis.layer_table(rows, protocol=protocol).loc[2, "a"] == pytest.approx(10.25 + offset)
+        zones = analysis.layer_zones(rows, protocol=protocol)
+        assert list(zones["initial"]) == pytest.approx([10.25 + offset, 11.25 + offset, 12.25 + offset])
+        assert list(analysis.trajectory(rows, protocol=protocol)["mean"]) == pytest.approx(
+            [11.25 + offset, 10.25 + offset, 9.25 + offset])
+    assert analysis.resolve_protocol(rows) == "eval"
+    assert analysis.resolve_protocol([r for r in rows if r["protocol"] == "stream"]) == "stream"
+    with pytest.raises(ValueError, match="protocol"):
+        analysis.layer_means(rows, protocol="nightly")
+    with pytest.raises(ValueError, match="protocol"):
+        analysis.layer_means(rows, protocol=None)  # no unlabelled records here
+
+
+def test_unlabelled_records_are_a_group_of_their_own():
+    """protocol None (a user's own records, older files) or "": used when it is the only group,
+    never mixed with eval/stream records, selectable with protocol=None."""
+    rows = _two_protocols()
+    mine = [{**r, "protocol": p, "value": r["value"] + 1000} for r, p in zip(
+        [r for r in rows if r["protocol"] == "eval"], [None, ""] * 27)]
+    assert analysis.resolve_protocol(mine) is None
+    assert analysis.summary_table(mine).iloc[0]["initial"] == pytest.approx(1011.25)  # None and "" are one group
+    stream = [r for r in rows if r["protocol"] == "stream"]
+    assert analysis.summary_table(stream + mine).iloc[0]["initial"] == pytest.approx(111.25)  # stream preferred
+    assert analysis.summary_table(stream + mine, protocol=None).iloc[0]["initial"] == pytest.approx(1011.25)
+    other = [{**r, "protocol": "nightly"} for r in mine]
+    with pytest.raises(ValueError, match="protocol"):  # two groups, neither eval nor stream: ambiguous
+        analysis.layer_means(mine + other)
+    assert analysis.layer_means(mine + other, protocol="nightly")["value"].iloc[0] == pytest.approx(1010.25)
+
+
+def test_width_fits_read_one_protocol():
+    recs = _sweep(0.5)
+    noisy = [{**r, "protocol": "stream", "value": r["value"] * (1 + 0.5 * (i % 3))} for i, r in enumerate(recs)]
+    clean = [{**r, "protocol": "eval"} for r in recs]
+    fit = analysis.width_fits(clean + noisy, ["participation_ratio"], n_boot=0).iloc[0]
+    assert fit["beta"] == pytest.approx(0.5, abs=1e-9) and fit["r2"] == pytest.approx(1.0, abs=1e-12)
+
+
+def test_layer_and_head_columns_stay_nullable_ints():
+    rows = _two_protocols() + [Record(20, None, "loss", None, None, "eval_loss", 1.0).as_dict()]
+    df = analysis.to_frame(rows)
+    assert all(str(df[c].dtype) == "Int64" for c in ("step", "tokens_seen", "layer", "head_index"))
+    assert df["layer"].isna().sum() == 1 and df["layer"].max() == 2
+    assert str(analysis.layer_means(rows)["layer"].dtype) == "Int64"
+    assert str(analysis.layer_table(rows).index.dtype) == "Int64"
+
+
+@pytest.mark.parametrize("layers, n_zones, labels", [
+    ([0, 1, 2, 3, 4, 5], 3, ["0-1", "2-3", "4-5"]),
+    ([0, 1, 2, 3, 4], 3, ["0-1", "2-3", "4"]),      # a one-layer zone reads "4", not "4-4"
+    ([0, 1], 3, ["0", "1"]),                        # fewer layers than zones: one zone per layer
+    ([0, 1], 1, ["0-1"]),
+    ([0, 2, 5], 1, ["0,2,5"]),                      # layers missing in between are not a range
+])
+def test_layer_zone_labels(layers, n_zones, labels):
+    recs = _records({(s, l, 0): 5.0 + l for s in (0, 10) for l in layers})
+    zones = analysis.layer_zones(recs, n_zones=n_zones)
+    assert list(zones["layers"]) == labels
+    names = {1: ["all"], 2: ["early", "late"], 3: ["early", "middle", "late"]}[len(labels)]
+    assert list(zones["zone"]) == names
+
+
+def test_site_dimension_from_ghost_dims_or_utilization():
+    pr = _records({(0, l, h): 3.0 + l + h for l in range(2) for h in range(2)})
+    ghost = [{**r, "metric": "ghost_dims", "value": 16 - r["value"]} for r in pr]
+    util = [{**r, "metric": "utilization", "value": r["value"] / 16} for r in pr]
+    assert analysis.site_dimension(pr + ghost) == 16
+    assert analysis.site_dimension(pr + util) == 16
+    assert analysis.site_dimension(pr) is None
+    mixed = ghost[:2] + [{**r, "value": 32 - r["value"] + 16} for r in ghost[2:]]  # widths differ (a sweep)
+    assert analysis.site_dimension(pr + mixed) is None

@@ -1,6 +1,8 @@
 """``fastspec demo`` end to end (--quick), its Ctrl-C behaviour, ``fastspec report``, and its parts."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -21,6 +23,8 @@ pytest.importorskip("pandas")
 from fastspec.cli import main  # noqa: E402
 from fastspec.demo import CONDITIONS, ModelSize, build_model  # noqa: E402
 from fastspec.demo.data import eval_batch, split, stdlib_corpus  # noqa: E402
+from fastspec.probe import Record  # noqa: E402
+from fastspec.report import findings, run_findings  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,8 +32,10 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "run"
-    rc = main(["demo", "--quick", "--out", str(out), "--no-progress"])
-    return out, rc
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        rc = main(["demo", "--quick", "--out", str(out), "--no-progress"])
+    return out, rc, printed.getvalue()
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -60,7 +66,7 @@ def _png_ok(path: Path) -> bool:
 
 
 def test_quick_demo_writes_every_artifact(quick_run):
-    out, rc = quick_run
+    out, rc, _ = quick_run
     assert rc == 0
     config = json.loads((out / "config.json").read_text())
     assert config["status"] == "completed"
@@ -96,7 +102,7 @@ def test_quick_demo_writes_every_artifact(quick_run):
 
 
 def test_report_table_matches_records(quick_run):
-    out, _ = quick_run
+    out, *_ = quick_run
     records = _read_jsonl(out / "records.jsonl")
     table = _key_table((out / "report.md").read_text())
     assert list(table) == list(CONDITIONS)
@@ -123,7 +129,7 @@ def test_report_table_matches_records(quick_run):
 
 
 def test_report_command_regenerates(quick_run):
-    out, _ = quick_run
+    out, *_ = quick_run
     before = (out / "report.md").read_text()
     (out / "report.md").unlink()
     for p in (out / "plots").glob("*.png"):
@@ -219,10 +225,13 @@ def test_ctrl_c_leaves_a_valid_partial_run(tmp_path):
         assert z.files and all(k.startswith("qk_norm/ffn/") for k in z.files)
 
 
-def test_demo_refuses_to_overwrite_a_run(quick_run):
-    out, _ = quick_run
-    with pytest.raises(ValueError, match="out_dir"):
-        main(["demo", "--quick", "--out", str(out), "--no-progress"])
+def test_demo_refuses_to_overwrite_a_run(quick_run, capsys):
+    out, *_ = quick_run
+    before = (out / "records.jsonl").read_bytes()
+    assert main(["demo", "--quick", "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fastspec demo: --out: ") and err.count("\n") == 1
+    assert (out / "records.jsonl").read_bytes() == before
 
 
 def test_flags_build_the_config():
@@ -275,3 +284,205 @@ def test_core_import_stays_light():
             "assert fastspec.analysis.to_frame([]).empty and 'pandas' in sys.modules")  # lazy submodule
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+# ------------------------------------------------------------------ findings (report.md and the terminal)
+
+def _study(curves: dict, *, D: int = 16, layers: int = 4, steps=range(0, 101, 10), gamma: dict | None = None,
+           seeds=(None,)) -> list[dict]:
+    """Key-PR records of known whole-model means: ``curves`` {condition: f(step, layer)} is each
+    layer's head mean (two heads at ±0.1 around it), with the ``ghost_dims = D − PR`` records the
+    probe writes. ``gamma`` {condition: final CV}: γ records, CV linear in the step from 0
+    (a condition with final CV 0 is frozen)."""
+    rows = []
+    for seed in seeds:
+        for cond, f in curves.items():
+            for step in steps:
+                for layer in range(layers):
+                    for head, d in ((0, -0.1), (1, 0.1)):
+                        v = f(step, layer) + d
+                        for metric, value in (("participation_ratio", v), ("ghost_dims", D - v)):
+                            row = {**Record(step, step * 64, "keys", layer, head, metric, value, "eval").as_dict(),
+                                   "condition": cond}
+                            rows.append(row if seed is None else {**row, "seed": seed})
+                    if gamma and cond in gamma:
+                        for metric, value in (("gamma_cv", gamma[cond] * step / max(steps)),
+                                              ("gamma_trainable", float(gamma[cond] > 0))):
+                            rows.append({**Record(step, step * 64, "gamma_k", layer, None, metric, value,
+                                                  "eval").as_dict(), "condition": cond})
+    return rows
+
+
+ONE_SEED = {"train": {"seed": 0}}
+
+
+def test_findings_name_a_clear_collapse():
+    rows = _study({"steady": lambda s, l: 12 + 0.5 * l, "collapse": lambda s, l: (12 + 0.5 * l) * (1 - 0.0075 * s)})
+    f = findings(rows, ONE_SEED)
+    # whole-model means: 12.75 throughout for steady; 12.75 -> 12.75 * 0.25 = 3.1875 for collapse
+    assert f.lines() == ["steady: 12.75 → 12.75 (+0.0%), steps 0–100", "collapse: 12.75 → 3.19 (−75.0%), steps 0–100"]
+    assert f.finding == ("Key PR fell most in collapse: 12.75 → 3.19 (−75.0%) between steps 0 and 100 "
+                         "(others: steady +0.0%).")
+    assert f.ceiling == ("Ceiling: a head's key PR is at most d_head = 16; the means sit at 80% of it at the "
+                         "first probe and at 20–80% at the last.")
+    assert f.caveats[0].startswith("One seed per condition: a single seed cannot separate")
+    # step-to-step: std of collapse's last 4 probes 12.75 * 0.75 * std(.7, .8, .9, 1) = 1.07;
+    # layer-to-layer: std of the per-layer differences -0.75 * (12 + 0.5 l) = 0.42
+    assert f.caveats[1] == ("collapse vs steady: the final difference in key PR is −9.56 (−75.0%), larger than "
+                            "the run's spread (step-to-step 1.07, layer-to-layer 0.42).")
+    assert not any("γ" in c for c in f.caveats)  # no γ records, no γ caveat
+    rose = findings(_study({"flat": lambda s, l: 5.0, "grows": lambda s, l: 5.0 + s / 50}), ONE_SEED)
+    assert rose.finding.startswith("Key PR rose in every condition, most in grows: 5.00 → 7.00 (+40.0%)")
+
+
+@pytest.mark.parametrize("factor, verdict", [(1.005, ", within the run's spread"), (1.5, ", larger than the run's spread")])
+def test_findings_weigh_a_difference_against_the_runs_spread(factor, verdict):
+    """Two conditions 0.5% apart while each moves by ~0.2 between its last probes: not
+    distinguishable; 50% apart: larger than that spread."""
+    a = lambda s, l: 10 - 0.02 * s + 0.3 * l + 0.1 * (-1) ** (s // 10)  # noqa: E731
+    f = findings(_study({"a": a, "b": lambda s, l: factor * a(s, l)}), ONE_SEED)
+    (pair,) = [c for c in f.caveats if c.startswith("b vs a")]
+    assert verdict in pair
+    assert ("not distinguishable in this run" in pair) == (factor < 1.1)
+
+
+@pytest.mark.parametrize("final_cv, told_apart", [(0.04, False), (0.3, True)])
+def test_findings_say_whether_gamma_moved(final_cv, told_apart):
+    rows = _study({"learned": lambda s, l: 10 - s / 50, "frozen": lambda s, l: 10 - s / 50},
+                  gamma={"learned": final_cv, "frozen": 0.0})
+    (gamma,) = [c for c in findings(rows, ONE_SEED).caveats if "γ" in c]
+    assert f"went 0.000 → {final_cv:.3f} in 100 steps" in gamma and "learned" in gamma
+    assert ("learned and frozen γ cannot be told apart in this run" in gamma) == (not told_apart)
+    assert gamma.startswith("γ moved") == told_apart
+
+
+def test_findings_count_seeds():
+    curves = {"a": lambda s, l: 8.0 - s / 100, "b": lambda s, l: 8.0}
+    assert "One seed per condition" in findings(_study(curves), ONE_SEED).caveats[0]
+    assert "not recorded" in findings(_study(curves)).caveats[0]
+    three = findings(_study(curves, seeds=(0, 1, 2)), ONE_SEED).caveats
+    assert not any("seed" in c and ("One seed" in c or "not recorded" in c) for c in three)
+    assert findings([Record(0, 0, "ffn", 0, None, "participation_ratio", 3.0).as_dict()]) is None
+
+
+def test_quick_demo_prints_the_reports_findings(quick_run):
+    out, _, printed = quick_run
+    f = run_findings(out)
+    assert f.text() in printed  # the terminal summary is the report's findings, same numbers
+    report = (out / "report.md").read_text()
+    assert f.markdown() in report and report.index("## Findings") < report.index("## Key rank")
+    for line in [*f.lines(), f.finding, f.ceiling, *f.caveats]:
+        assert line in printed and line in report
+    assert "d_head = 16" in f.ceiling and "One seed per condition" in f.caveats[0]
+    assert "| condition | zone | layers |" in report and "| early | 0 |" in report  # one-layer zones read "0"
+
+
+def _write_run(path: Path, rows: list[dict]) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_report_tables_read_one_protocol_and_say_which(tmp_path):
+    """Eval and streaming records of the same steps: the report's tables read the eval ones only."""
+    rows = _study({"a": lambda s, l: 6.0 - s / 50})
+    stream = [{**r, "protocol": "stream", "value": r["value"] + 50} for r in rows]
+    _write_run(tmp_path, rows + stream)
+    assert main(["report", str(tmp_path)]) == 0
+    report = (tmp_path / "report.md").read_text()
+    row = _key_table(report)["a"]
+    assert (row["initial PR"], row["final PR"]) == ("6.000", "4.000")
+    assert report.count("Records of one protocol (protocol: eval, Probe.measure on a fixed batch).") == 1
+    assert "(protocol: eval, Probe.measure on a fixed batch):" in report  # the findings say it too
+
+
+def test_report_shows_rank_at_90_when_recorded(tmp_path):
+    rows = _study({"a": lambda s, l: 6.0 - s / 50})
+    _write_run(tmp_path / "without", rows)
+    assert main(["report", str(tmp_path / "without")]) == 0
+    assert "final rank@90" not in _key_table((tmp_path / "without" / "report.md").read_text())["a"]
+    r90 = [{**r, "metric": "rank_at_90", "value": float(3 + r["layer"])} for r in rows
+           if r["metric"] == "participation_ratio"]
+    _write_run(tmp_path / "with", rows + r90)
+    assert main(["report", str(tmp_path / "with")]) == 0
+    table = _key_table((tmp_path / "with" / "report.md").read_text())
+    assert table["a"]["final rank@90"] == "4.500"  # mean over layers 0..3 of 3 + layer
+
+
+# ------------------------------------------------------------------ command-line errors
+
+def _one_line_error(capsys, prefix: str) -> str:
+    captured = capsys.readouterr()
+    assert captured.err.startswith(prefix) and captured.err.count("\n") == 1, captured.err
+    assert "Traceback" not in captured.err + captured.out
+    return captured.err
+
+
+def test_report_of_a_missing_folder_is_a_one_line_error(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "nope")]) == 2
+    _one_line_error(capsys, "fastspec report: run_dir: ")
+    assert main(["report", str(tmp_path)]) == 2  # a folder without records.jsonl
+    assert "no records.jsonl" in _one_line_error(capsys, "fastspec report: run_dir: ")
+
+
+@pytest.mark.parametrize("flags, flag", [
+    (["--heads", "3"], "--heads"),                       # 64 is not divisible by 3
+    (["--d-model", "60", "--heads", "4"], "--heads"),   # head width 15: rotary embeddings need it even
+    (["--kv-heads", "3"], "--kv-heads"),                 # 4 heads are not divisible by 3 KV heads
+    (["--layers", "0"], "--layers"),
+    (["--d-ff", "-4"], "--d-ff"),
+    (["--steps", "0"], "--steps"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--probe-every", "0"], "--probe-every"),
+    (["--eval-sequences", "0"], "--eval-sequences"),
+    (["--seq-len", "100000"], "--seq-len"),              # longer than the held-out text
+    (["--lr", "0"], "--lr"),
+    (["--lr", "nan"], "--lr"),
+    (["--seed", "-1"], "--seed"),
+    (["--conditions", "qk_norm", "qk_norm"], "--conditions"),
+    (["--device", "tpu"], "--device"),
+    (["--device", "not a device"], "--device"),
+])
+def test_demo_rejects_bad_flags_before_writing(tmp_path, capsys, flags, flag):
+    out = tmp_path / "run"
+    assert main(["demo", "--quick", "--no-progress", "--out", str(out), *flags]) == 2
+    _one_line_error(capsys, f"fastspec demo: {flag}: ")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("device, patch", [
+    ("cuda", {"torch.cuda.is_available": lambda: False}),
+    ("cuda:7", {"torch.cuda.is_available": lambda: True, "torch.cuda.device_count": lambda: 1}),
+    ("mps", {"torch.backends.mps.is_available": lambda: False}),
+])
+def test_demo_rejects_an_unavailable_device_before_writing(tmp_path, capsys, monkeypatch, device, patch):
+    for name, fn in patch.items():
+        monkeypatch.setattr(name, fn)
+    out = tmp_path / "run"
+    assert main(["demo", "--quick", "--no-progress", "--device", device, "--out", str(out)]) == 2
+    _one_line_error(capsys, "fastspec demo: --device: ")
+    assert not out.exists()
+
+
+def test_a_failing_run_is_marked_failed(tmp_path, capsys, monkeypatch):
+    """An error during training: config.json says "failed" (never "running"); a user error (here a
+    ValueError) ends in one line on stderr and exit code 1, anything else propagates."""
+    import fastspec.demo.train as train
+
+    def broken(condition, *args, **kwargs):
+        raise ValueError("seq_len: the text is too short\nfor this run")
+
+    monkeypatch.setattr(train, "_train_condition", broken)
+    out = tmp_path / "run"
+    assert main(["demo", "--quick", "--no-progress", "--out", str(out)]) == 1
+    _one_line_error(capsys, "fastspec demo: failed (ValueError: seq_len: the text is too short for this run)")
+    config = json.loads((out / "config.json").read_text())
+    assert config["status"] == "failed" and config["error"].startswith("ValueError: seq_len")
+
+    def bug(condition, *args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(train, "_train_condition", bug)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["demo", "--quick", "--no-progress", "--out", str(tmp_path / "run2")])
+    assert json.loads((tmp_path / "run2" / "config.json").read_text())["status"] == "failed"

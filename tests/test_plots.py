@@ -38,6 +38,17 @@ def sweep():
     return rows
 
 
+def _with_width(rows, site: str, D: int) -> list[dict]:
+    """``rows`` plus the ``ghost_dims = D − PR`` record of each PR record (what the probe writes),
+    from which the plots read the ceiling D."""
+    return rows + [{**r, "metric": "ghost_dims", "value": D - r["value"]} for r in rows
+                   if r["site"] == site and r["metric"] == "participation_ratio"]
+
+
+def _ceilings(ax) -> dict[str, object]:
+    return {l.get_label(): l for l in ax.get_lines() if l.get_gid() == "ceiling"}
+
+
 def _check_png(path, min_colors: int = 8):
     """A real image: decodes, has a sensible size and more than a handful of distinct colours."""
     import matplotlib.image as mpimg
@@ -90,7 +101,30 @@ def test_spectrum_plots_render(tmp_path):
         _check_png(Path(plots.save(fig, tmp_path / f"{name}.png")))
     cum = plots.cumulative_variance_plot({"flat": np.ones(10)})
     x, y = cum.axes[0].get_lines()[0].get_data()
-    assert np.allclose(x, y)  # a flat spectrum lies on the diagonal
+    assert np.allclose(x, np.arange(1, 11)) and np.allclose(y, x / 10)  # a flat spectrum: k/D
+
+
+def test_cumulative_variance_uses_a_log_k_axis_with_references():
+    """k = 1..D on a log axis (on a linear k/D axis every real curve hugs its first 5%), the flat
+    spectrum and the 90% line for reference, and a title."""
+    k = np.arange(1, 193, dtype=float)
+    fig = plots.cumulative_variance_plot({"steep": k ** -2.0}, title="ffn layer 3")
+    ax = fig.axes[0]
+    assert ax.get_xscale() == "log" and ax.get_xlim() == (1, 192) and ax.get_title() == "ffn layer 3"
+    lines = {l.get_label(): l for l in ax.get_lines()}
+    x, y = lines["steep"].get_data()
+    assert x[0] == 1 and x[-1] == 192 and np.allclose(y, np.cumsum(k ** -2.0) / np.sum(k ** -2.0))
+    assert np.allclose(lines["flat (D = 192)"].get_ydata(), k / 192)
+    assert lines["90% of the variance"].get_ydata()[0] == 0.9
+    assert plots.cumulative_variance_plot(k).axes[0].get_title()  # a default title
+    with pytest.raises(ValueError, match="share"):
+        plots.cumulative_variance_plot(k, share=1.5)
+
+
+def test_spectrum_plot_has_a_title():
+    k = np.arange(1, 65, dtype=float)
+    assert plots.spectrum_plot(k ** -1.0).axes[0].get_title() == "eigen-spectrum, λ_k / Σλ"
+    assert plots.spectrum_plot({"a": k ** -1.0}, title="keys, layer 2").axes[0].get_title() == "keys, layer 2"
 
 
 def test_plots_reject_bad_arguments(records):
@@ -102,3 +136,64 @@ def test_plots_reject_bad_arguments(records):
         plots.layer_bars(records, conditions=("learned", "missing"))
     with pytest.raises(ValueError, match="spectra"):
         plots.spectrum_plot({"bad": np.ones((2, 2))})
+
+
+def test_pr_plots_draw_the_ceiling(records):
+    """PR is at most the spectrum width D: a dashed line at D when it is within reach of the data,
+    a legend entry only when it is far above (an FFN PR of ~4 under d_ff = 192)."""
+    near = _with_width(records, "keys", 32)  # values up to ~31
+    for fig in (plots.trajectory_plot(near), plots.layer_bars(near, conditions=("learned", "frozen"))):
+        (line,) = _ceilings(fig.axes[0]).values()
+        assert line.get_ydata()[0] == 32 and line.get_label() == "ceiling d_head = 32" and line.get_linestyle() == "--"
+    far = _ceilings(plots.trajectory_plot(_with_width(records, "keys", 512)).axes[0])
+    assert list(far) == ["ceiling d_head = 512 (off scale)"] and far[list(far)[0]].get_linestyle() == "None"
+    assert not _ceilings(plots.trajectory_plot(records).axes[0])  # D unknown: no ceiling
+    assert not _ceilings(plots.trajectory_plot(near, ceiling=None).axes[0])
+    (line,) = _ceilings(plots.trajectory_plot(records, ceiling=40).axes[0]).values()
+    assert line.get_ydata()[0] == 40
+    with pytest.raises(ValueError, match="ceiling"):
+        plots.trajectory_plot(records, ceiling=-1)
+
+
+def test_layer_bars_legend_above_and_difference_in_percent(records):
+    fig = plots.layer_bars(records, conditions=("learned", "frozen"))
+    bars_ax, diff_ax = fig.axes
+    assert bars_ax.get_legend() is None and len(fig.legends) == 1  # a figure legend, above the panels
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["learned", "frozen"]
+    final = [r for r in records if r["step"] == 40]
+    mean = lambda c, l: np.mean([r["value"] for r in final if r["condition"] == c and r["layer"] == l])  # noqa: E731
+    expected = [100 * (mean("learned", l) - mean("frozen", l)) / mean("frozen", l) for l in range(4)]
+    assert [p.get_height() for p in diff_ax.patches] == pytest.approx(expected)
+    lo, hi = diff_ax.get_ylim()
+    assert lo == -hi and hi >= max(5.0, max(abs(e) for e in expected))  # symmetric, never below ±5%
+    # a 1% difference still gets the ±5% axis: it must not fill the panel
+    learned = [r for r in records if r["condition"] == "learned"]
+    small = [{**r, "value": 1.01 * r["value"]} for r in learned] + [{**r, "condition": "frozen"} for r in learned]
+    lo, hi = plots.layer_bars(small, conditions=("learned", "frozen")).axes[1].get_ylim()
+    assert (lo, hi) == (-5.0, 5.0)
+
+
+def test_layer_bars_title_says_heads_only_for_per_head_sites(records):
+    ffn = [{**r, "site": "ffn", "head_index": None} for r in records if r["head_index"] == 0]
+    assert plots.layer_bars(ffn, "ffn").axes[0].get_title() == "final step, per layer"
+    assert plots.layer_bars(records).axes[0].get_title() == "final step, per layer (mean over heads)"
+    assert "heads" not in plots.trajectory_plot(ffn, "ffn").axes[0].get_title()
+    assert "heads" in plots.trajectory_plot(records).axes[0].get_title()
+
+
+def test_heatmap_colour_limits_exclude_the_first_probe(records):
+    """The random-init probe would swamp the colour scale: limits are the 2nd and 98th percentile
+    of the later probes' layer means, and the colorbar says so."""
+    fig = plots.layer_heatmap(records)
+    layer_means = {}
+    for r in records:
+        layer_means.setdefault((r["condition"], r["step"], r["layer"]), []).append(r["value"])
+    later = [np.mean(v) for (c, s, l), v in layer_means.items() if s > 0]
+    image = fig.axes[0].get_images()[0]
+    assert image.get_clim() == pytest.approx(tuple(np.percentile(later, [2, 98])))
+    colorbar = fig.axes[-1]
+    assert "first probe excluded" in colorbar.get_ylabel()
+    full = plots.layer_heatmap(records, percentiles=(0, 100)).axes[0].get_images()[0].get_clim()
+    assert full == pytest.approx((min(later), max(later)))
+    with pytest.raises(ValueError, match="percentiles"):
+        plots.layer_heatmap(records, percentiles=(50, 10))

@@ -9,7 +9,20 @@ folder gets records, plots and a Markdown report (see :mod:`fastspec.report`).
     fastspec demo --quick             # seconds, for tests
     fastspec demo --device cuda --layers 12 --d-model 768 --heads 12 --kv-heads 4 --seq-len 1024 --steps 3000
 """
-from .models import CONDITIONS, ModelSize, build_model
-from .train import DemoConfig, run_demo
+from __future__ import annotations
+
+import importlib
+
+# the study's conditions (built in models.py); defined here, without torch, so that
+# `fastspec demo --help` can list them without importing torch or transformers
+CONDITIONS = ("qk_norm", "qk_norm_frozen", "no_qk_norm")
+
+_LAZY = {"ModelSize": "models", "build_model": "models", "DemoConfig": "train", "run_demo": "train"}
 
 __all__ = ["CONDITIONS", "DemoConfig", "ModelSize", "build_model", "run_demo"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import re
+import sys
 import time
 from pathlib import Path
 
@@ -11,7 +13,7 @@ QUICK = dict(d_model=64, layers=2, heads=4, kv_heads=2, seq_len=64, steps=8, bat
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .models import CONDITIONS
+    from . import CONDITIONS
 
     p.add_argument("--out", type=Path, default=None,
                    help="run folder (default: ./fastspec_runs/<timestamp>)")
@@ -34,10 +36,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _as_flag(message: str) -> str:
+    """``"kv_heads: expected ..."`` (a DemoConfig field) -> ``"--kv-heads: expected ..."`` (its flag)."""
+    m = re.match(r"(\w+): ", message)
+    if not m:
+        return message
+    flag = {"out_dir": "out"}.get(m.group(1), m.group(1))
+    return f"--{flag.replace('_', '-')}: " + message[m.end():]
+
+
 def config_from_args(args: argparse.Namespace):
-    """The :class:`DemoConfig` the flags describe (``--quick`` first, explicit flags override)."""
+    """The :class:`DemoConfig` the flags describe (``--quick`` first, explicit flags override).
+
+    Every flag is checked here, before anything is written, the device included (available
+    here?); a bad one raises ValueError whose message starts with the flag, e.g.
+    ``"--heads: expected a divisor of d_model (64), got 3"``."""
     from .models import ModelSize
-    from .train import DemoConfig
+    from .train import DemoConfig, check_device
 
     base = dict(QUICK) if args.quick else {}
     for name in ("layers", "d_model", "heads", "kv_heads", "d_ff", "seq_len", "steps", "batch_size", "lr",
@@ -48,17 +63,44 @@ def config_from_args(args: argparse.Namespace):
     size = {k: base.pop(k) for k in size_keys if k in base}
     if "d_ff" not in size:  # SwiGLU-style 3 × d_model unless given
         size["d_ff"] = 3 * size.get("d_model", ModelSize.d_model)
-    return DemoConfig(size=ModelSize(**size), seed=args.seed, device=args.device,
-                      conditions=tuple(args.conditions), **base)
+    try:
+        cfg = DemoConfig(size=ModelSize(**size), seed=args.seed, device=args.device,
+                         conditions=tuple(args.conditions), **base)
+        check_device(cfg.device)
+    except ValueError as e:
+        raise ValueError(_as_flag(str(e))) from None
+    return cfg
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..cli import show_tracebacks
+    from ..report import run_findings
     from .train import run_demo
 
-    cfg = config_from_args(args)
     out = args.out or Path("fastspec_runs") / time.strftime("%Y%m%d-%H%M%S")
+    try:  # user errors: one line on stderr, exit code 2, nothing written
+        cfg = config_from_args(args)
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out: {out} is a file; expected a folder")
+        if (out / "records.jsonl").exists():
+            raise ValueError(f"--out: {out} already holds a run (records.jsonl); choose another folder")
+    except ValueError as e:
+        print(f"fastspec demo: {e}", file=sys.stderr)
+        return 2
     print(f"fastspec demo: {len(cfg.conditions)} conditions × {cfg.steps} steps, "
           f"d_model={cfg.size.d_model}, layers={cfg.size.layers}, device={cfg.device} -> {out}")
-    run_dir, status = run_demo(cfg, out, progress=not args.no_progress)
+    try:
+        run_dir, status = run_demo(cfg, out, progress=not args.no_progress)
+    except (ValueError, torch.OutOfMemoryError) as e:  # e.g. a model too big for the device
+        if show_tracebacks():
+            raise
+        print(f"fastspec demo: failed ({type(e).__name__}: {' '.join(str(e).split())}); "
+              f"{out}/config.json says status failed", file=sys.stderr)
+        return 1
+    found = run_findings(run_dir)
+    if found is not None:
+        print(found.text())
     print(f"{status}: records, plots and report in {run_dir}/ (open {run_dir / 'report.md'})")
     return 0 if status == "completed" else 130

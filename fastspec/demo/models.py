@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-CONDITIONS = ("qk_norm", "qk_norm_frozen", "no_qk_norm")
+from . import CONDITIONS
 
 
 @dataclass(frozen=True)
@@ -28,17 +28,25 @@ class ModelSize:
     def __post_init__(self):
         for name in ("d_model", "layers", "heads", "kv_heads", "d_ff", "seq_len"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
         if self.d_model % self.heads:
-            raise ValueError(f"heads: d_model={self.d_model} is not divisible by heads={self.heads}")
+            raise ValueError(f"heads: expected a divisor of d_model ({self.d_model}), got {self.heads}")
+        if (self.d_model // self.heads) % 2:  # rotary embeddings rotate pairs of dimensions
+            raise ValueError(f"heads: expected d_model / heads (the head width) to be even for rotary "
+                             f"embeddings, got {self.d_model} / {self.heads} = {self.d_model // self.heads}")
         if self.heads % self.kv_heads:
-            raise ValueError(f"kv_heads: heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
+            raise ValueError(f"kv_heads: expected a divisor of heads ({self.heads}), got {self.kv_heads}")
 
 
 def build_model(condition: str, size: ModelSize, vocab_size: int, seed: int) -> torch.nn.Module:
     """A freshly initialised causal LM for ``condition`` (see module docstring)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     if condition not in CONDITIONS:
         raise ValueError(f"condition: expected one of {CONDITIONS}, got {condition!r}")

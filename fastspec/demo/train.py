@@ -42,13 +42,48 @@ class DemoConfig:
     def __post_init__(self):
         for name in ("steps", "batch_size", "probe_every", "eval_sequences", "corpus_bytes"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
-        if not self.lr > 0:
-            raise ValueError(f"lr: expected > 0, got {self.lr}")
+        for name in ("warmup", "seed"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name}: expected a non-negative int, got {v!r}")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr: expected a finite number > 0, got {self.lr}")
+        if not (isinstance(self.weight_decay, (int, float)) and 0 <= self.weight_decay < math.inf):
+            raise ValueError(f"weight_decay: expected a finite number >= 0, got {self.weight_decay}")
         bad = [c for c in self.conditions if c not in CONDITIONS]
-        if bad or not self.conditions:
-            raise ValueError(f"conditions: expected a non-empty subset of {CONDITIONS}, got {self.conditions}")
+        if bad or not self.conditions or len(set(self.conditions)) != len(self.conditions):
+            raise ValueError(f"conditions: expected a non-empty subset of {CONDITIONS} without repeats, "
+                             f"got {self.conditions}")
+        # the fixed eval batch is cut from the held-out tail (a tenth of the corpus)
+        if self.size.seq_len >= self.corpus_bytes // 10:
+            raise ValueError(f"seq_len: expected fewer than {self.corpus_bytes // 10} tokens (the held-out "
+                             f"text), got {self.size.seq_len}")
+        if not isinstance(self.device, str):
+            raise ValueError(f"device: expected a device name such as 'cpu' or 'cuda', got {self.device!r}")
+
+
+def check_device(device: str) -> None:
+    """Raise ValueError naming ``device`` unless torch can use it here: ``cpu``, ``cuda``/``cuda:N``
+    with CUDA available and N below the device count, or ``mps`` where available."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: expected cpu, cuda, cuda:N or mps, got {device!r}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {device!r} but CUDA is not available here "
+                             f"(torch {torch.__version__}, torch.cuda.is_available() is False)")
+        n = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= n:
+            raise ValueError(f"device: expected cuda:0 to cuda:{n - 1} ({n} CUDA device(s)), got {device!r}")
+    elif dev.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"device: {device!r} but MPS is not available here (torch.backends.mps.is_available() "
+                             "is False)")
+    elif dev.type != "cpu":
+        raise ValueError(f"device: expected cpu, cuda, cuda:N or mps, got {device!r}")
 
 
 class RecordWriter:
@@ -123,7 +158,7 @@ def _train_condition(condition: str, cfg: DemoConfig, train_tokens, batch_eval: 
         rows = [{**r.as_dict(), "condition": condition}
                 for r in probe.measure(batch_eval, step=step, tokens_seen=tokens)]
         loss_row = {"step": step, "tokens_seen": tokens, "site": "loss", "layer": None, "head_index": None,
-                    "condition": condition}
+                    "protocol": None, "condition": condition}  # a loss is no probe measurement: no protocol
         eval_loss = _eval_loss(model, batch_eval)
         rows.append({**loss_row, "metric": "eval_loss", "value": eval_loss})
         if losses:  # mean training loss since the previous probe
@@ -172,38 +207,54 @@ def run_demo(cfg: DemoConfig, out_dir, *, progress: bool = True) -> tuple[Path, 
 
     Returns (run folder, status) with status ``"completed"`` or ``"interrupted"`` (Ctrl-C);
     ``config.json``, ``records.jsonl``, ``spectra.npz``, ``plots/`` and ``report.md`` exist
-    in both cases.
+    in both cases. The device and ``out_dir`` are checked before anything is written (ValueError
+    naming them); an exception during the run marks ``config.json`` ``"failed"`` (with the error)
+    and propagates.
     """
     from ..report import write_report
 
+    check_device(cfg.device)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out_dir: {out} is a file; expected a folder")
     if (out / "records.jsonl").exists():
         raise ValueError(f"out_dir: {out} already holds a run (records.jsonl); choose another folder")
+    out.mkdir(parents=True, exist_ok=True)
     meta = {"status": "running", "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "model": dataclasses.asdict(cfg.size),
             "train": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "size"},
             "corpus": "Python standard library source (bytes)", "torch": torch.__version__}
     (out / "config.json").write_text(json.dumps(meta, indent=2))
-    torch.manual_seed(cfg.seed)
-    train_tokens, held_out = split(stdlib_corpus(cfg.corpus_bytes))
-    batch_eval = {k: v.to(cfg.device) for k, v in
-                  eval_batch(held_out, cfg.eval_sequences, cfg.size.seq_len, cfg.seed + 1).items()}
-    writer = RecordWriter(out / "records.jsonl")
+    writer = None
     spectra: dict[str, np.ndarray] = {}
-    status = "interrupted"
+    status = "failed"  # until the loop ends or Ctrl-C stops it
     try:
+        torch.manual_seed(cfg.seed)
+        train_tokens, held_out = split(stdlib_corpus(cfg.corpus_bytes))
+        batch_eval = {k: v.to(cfg.device) for k, v in
+                      eval_batch(held_out, cfg.eval_sequences, cfg.size.seq_len, cfg.seed + 1).items()}
+        writer = RecordWriter(out / "records.jsonl")
         for condition in cfg.conditions:
             _train_condition(condition, cfg, train_tokens, batch_eval, writer, spectra, progress)
         status = "completed"
     except KeyboardInterrupt:
-        pass
+        status = "interrupted"
+    except BaseException as e:
+        meta["error"] = f"{type(e).__name__}: {e}"
+        raise
     finally:
-        writer.close()
+        if writer is not None:
+            writer.close()
         if spectra:
             np.savez(out / "spectra.npz", **spectra)
         meta["status"] = status
         meta["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         (out / "config.json").write_text(json.dumps(meta, indent=2))
-        write_report(out)
+        if status != "failed":
+            write_report(out)
+        elif writer is not None:
+            try:  # what the failed run measured, if anything; the run's own error is the one raised
+                write_report(out)
+            except Exception:  # noqa: BLE001
+                pass
     return out, status
