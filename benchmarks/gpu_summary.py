@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from fastspec.bench.cases import SUITES as SUITE_ORDER
-from fastspec.bench.table import fmt_time
+from fastspec.bench.table import fmt_time, overhead_text
 
 PYTEST_CLOSING = re.compile(r"^=*\s*(\d+ (passed|failed|skipped|deselected|errors?)\b|no tests ran)")
 
@@ -80,7 +80,7 @@ def row_line(r: dict) -> str:
         line += f" (slice x{r['baseline_scale']:g})"
     line += f"  {r['speedup']:.2f}x"
     if "overhead_pct" in r:
-        line += f"  overhead {r['overhead_pct']:+.1f}%"
+        line += f"  overhead {overhead_text(r)}"  # "≈0 (±X%)" when within the repeats' spread
     elif "rate_unit" in r:
         line += f"  {r['fastspec_rate']:.3g} vs {r['baseline_rate']:.3g} {r['rate_unit']}"
     line += f"  err {_e(r.get('fastspec_error'))} (baseline {_e(r.get('baseline_error'))})"

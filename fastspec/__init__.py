@@ -9,30 +9,61 @@ Public API:
     fastspec.fit_power_law    log-log least squares across widths (docs/fits.md)
     fastspec.tail_index       spectral tail exponent over a rank window (docs/fits.md)
     fastspec.Probe            per-layer/per-head metrics from a live (HF) model (docs/protocols.md)
-    fastspec.analysis         tables and width/tail fits of records   (loaded on first use:
-    fastspec.plots            matplotlib figures of records            these need pandas,
-    fastspec.integrations     TensorBoard, W&B, Lightning, HF Trainer  matplotlib or the
-                                                                       logging library)
+    fastspec.analysis         tables and width/tail fits of records   (these need pandas,
+    fastspec.plots            matplotlib figures of records            matplotlib or the
+    fastspec.integrations     TensorBoard, W&B, Lightning, HF Trainer  logging library)
+
+Every name is loaded on first use (PEP 562 ``__getattr__``): ``import fastspec`` imports neither
+torch nor any optional library, so ``fastspec --help`` starts in a fraction of the time torch
+takes to import. ``fastspec.Probe`` and ``from fastspec import Probe`` import what they need.
 """
-from . import metrics
-from .covariance import Covariance
-from .eig import backends, eigvalsh
-from .fits import PowerLawFit, TailFit, fit_power_law, tail_index
-from .metrics import SpectrumMetrics, summarize
-from .probe import Probe, Record
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-_LAZY_SUBMODULES = ("analysis", "plots", "report", "integrations", "demo")
+# public name -> submodule defining it (relative to this package)
+_LAZY_NAMES = {
+    "Covariance": "covariance",
+    "backends": "eig",
+    "eigvalsh": "eig",
+    "PowerLawFit": "fits",
+    "TailFit": "fits",
+    "fit_power_law": "fits",
+    "tail_index": "fits",
+    "SpectrumMetrics": "metrics",
+    "summarize": "metrics",
+    "Probe": "probe",
+    "Record": "probe",
+}
+# submodules reachable as attributes of ``fastspec`` without importing them first
+# (``fastspec.probe.ModuleSite``, ``fastspec.analysis.to_frame``)
+_LAZY_SUBMODULES = ("metrics", "covariance", "eig", "fits", "probe",
+                    "analysis", "plots", "report", "integrations", "demo", "bench")
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
+    from . import metrics
+    from .covariance import Covariance
+    from .eig import backends, eigvalsh
+    from .fits import PowerLawFit, TailFit, fit_power_law, tail_index
+    from .metrics import SpectrumMetrics, summarize
+    from .probe import Probe, Record
 
 
 def __getattr__(name: str):
-    # `fastspec.analysis` etc. without importing pandas/matplotlib/transformers at `import fastspec`
-    if name in _LAZY_SUBMODULES:
-        import importlib
+    if name in _LAZY_NAMES:
+        value = getattr(importlib.import_module(f".{_LAZY_NAMES[name]}", __name__), name)
+    elif name in _LAZY_SUBMODULES:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module 'fastspec' has no attribute {name!r}")
+    globals()[name] = value  # the next lookup is a plain attribute, not this function
+    return value
 
-        return importlib.import_module(f".{name}", __name__)
-    raise AttributeError(f"module 'fastspec' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__) | set(_LAZY_SUBMODULES))
+
 
 __all__ = [
     "Covariance",

@@ -11,11 +11,20 @@ import pytest
 from fastspec.bench.table import (
     BEGIN,
     END,
+    bench_cells,
+    bench_text,
+    bound_label,
+    compare_cells,
+    compare_verdict,
     load_results,
     main,
+    noise_pct,
+    overhead_text,
     readme_block,
     repository_readme,
+    speedup_text,
     splice,
+    time_ratio_band,
     update_readme,
 )
 
@@ -160,8 +169,126 @@ def test_fastspec_bench_rewrites_the_readme_only_with_table(tmp_path, capsys):
     shutil.copytree(RESULTS, checkout / "benchmarks" / "results")
     readme = checkout / "README.md"
     readme.write_text(f"{BEGIN}\nold\n{END}\n")
-    with pytest.raises(ValueError, match="--readme: goes with --table"):
-        fastspec_main(["bench", "--readme", str(readme)])
+    assert fastspec_main(["bench", "--readme", str(readme)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fastspec bench: error: --readme: goes with --table") and err.count("\n") == 1
     assert readme.read_text() == f"{BEGIN}\nold\n{END}\n"
     assert fastspec_main(["bench", "--table", "--readme", str(readme)]) == 0
     assert "old" not in readme.read_text() and "rewritten" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------- noise: the repeats' spread
+def _timed(fast: tuple[float, float, float], base: tuple[float, float, float], *, repeats: int = 3,
+           overhead: bool = False, **extra) -> dict:
+    """A measured row with (min, median, max) seconds of each side, fields as the runner writes them."""
+    row = {"suite": "train_step", "size": "L2", "variant": "emit_every=100", "baseline": "step without probe",
+           "fastspec_s": fast[1], "baseline_s": base[1], "speedup": base[1] / fast[1], "repeats": repeats,
+           "fastspec_min_s": fast[0], "fastspec_max_s": fast[2], "baseline_min_s": base[0],
+           "baseline_max_s": base[2], "error_kind": "|Δloss| with probe", "fastspec_error": 0.0,
+           "baseline_error": None, **extra}
+    if overhead:
+        row["overhead_pct"] = (fast[1] / base[1] - 1) * 100
+    return row
+
+
+def test_a_difference_inside_the_repeats_spread_prints_as_noise():
+    # medians say −31.9%, but the slowest fastspec repeat is slower than the fastest baseline one
+    row = _timed((0.60, 0.681, 1.05), (0.70, 1.0, 1.20), overhead=True)
+    lo, hi = time_ratio_band(row)
+    assert (lo, hi) == pytest.approx((0.60 / 1.20, 1.05 / 0.70))
+    assert noise_pct(row) == pytest.approx(100 * max(1 - lo, hi - 1))
+    assert overhead_text(row) == f"≈0 (±{noise_pct(row):.0f}%)" and "-" not in overhead_text(row)
+    assert speedup_text(row) == f"≈1× (±{noise_pct(row):.0f}%)"
+    assert bench_cells(row)["throughput"] == f"overhead ≈0 (±{noise_pct(row):.0f}%) of step"
+
+
+@pytest.mark.parametrize("fast, base, overhead, speedup", [
+    ((1.10, 1.20, 1.25), (0.95, 1.0, 1.05), "+20.0%", "0.83×"),   # every fastspec repeat slower
+    ((0.40, 0.50, 0.55), (0.95, 1.0, 1.05), "-50.0%", "2.00×"),   # every one faster: a real speed-up
+])
+def test_a_difference_beyond_the_spread_prints_as_a_number(fast, base, overhead, speedup):
+    row = _timed(fast, base, overhead=True)
+    assert noise_pct(row) is None
+    assert (overhead_text(row), speedup_text(row)) == (overhead, speedup)
+
+
+def test_without_a_spread_the_number_is_printed_and_one_repeat_says_so():
+    old = _timed((1.0, 1.1, 1.2), (0.5, 1.0, 1.5), overhead=True)
+    for k in ("fastspec_min_s", "fastspec_max_s", "baseline_min_s", "baseline_max_s"):
+        del old[k]  # a result file from before the spread was recorded: as it was printed then
+    assert time_ratio_band(old) is None and overhead_text(old) == "+10.0%"
+    single = _timed((1.1, 1.1, 1.1), (1.0, 1.0, 1.0), repeats=1, overhead=True)
+    assert time_ratio_band(single) is None
+    assert overhead_text(single) == "+10.0% (1 repeat)" and speedup_text(single) == "0.91× (1 repeat)"
+
+
+# ------------------------------------------------------------------------ the terminal view of bench
+def _eig(size: str, variant: str, **extra) -> dict:
+    return {**_timed((0.9e-3, 1e-3, 1.1e-3), (1.9e-3, 2e-3, 2.1e-3)), "suite": "eigvalsh", "size": size,
+            "variant": variant, "baseline": "torch.linalg.eigvalsh", "error_kind": "max rel err vs fp64",
+            "fastspec_error": 4.5e-7, "baseline_error": 4.4e-7, "rate_unit": "µs/matrix",
+            "fastspec_rate": 62.5, "baseline_rate": 125.0, **extra}
+
+
+def test_bench_text_is_one_narrow_table_per_baseline_with_notes_below():
+    long_reason = "eigvalsh backend 'cuda' unavailable: " + "no CUDA device visible to torch " * 4
+    rows = [_eig("B16-n32-fp32", "auto"), _eig("B16-n32-fp32", "host", baseline_scale=16.0),
+            {"suite": "eigvalsh", "size": "B16-n32-fp32", "variant": "auto", "baseline": "jax.numpy.linalg.eigvalsh",
+             "skipped": "jax not installed"},
+            {"suite": "eigvalsh", "size": "B4-n64-fp32", "variant": "auto", "baseline": "jax.numpy.linalg.eigvalsh",
+             "skipped": "jax not installed"},
+            {"suite": "eigvalsh", "size": "B16-n32-fp32", "variant": "cuda", "skipped": long_reason},
+            {"suite": "eigvalsh", "size": "B4-n64-fp32", "variant": "cuda", "error": "RuntimeError: boom"},
+            _timed((0.60, 0.681, 1.05), (0.70, 1.0, 1.20), overhead=True)]
+    text = bench_text(rows)
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 100, text
+    assert lines[0] == "eigvalsh vs torch.linalg.eigvalsh · error: max rel err vs fp64"
+    assert lines[1].split() == ["size", "variant", "fastspec", "baseline", "speedup", "µs/matrix", "error",
+                                "(baseline)"]
+    auto, host = lines[3].split(), lines[4].split()
+    assert auto == ["B16-n32-fp32", "auto", "1", "ms", "2", "ms", "2.00×", "62.5", "vs", "125", "4.5e-07", "(4.4e-07)"]
+    assert host[5] == "ms*" and "* timed on a slice of the batch and scaled to all of it (×16)" in text
+    assert "  not run  jax.numpy.linalg.eigvalsh (2 cases) — jax not installed" in lines
+    assert "  ERROR    B4-n64-fp32 cuda — RuntimeError: boom" in lines
+    assert "skipped  variant cuda — eigvalsh backend 'cuda' unavailable:" in text
+    assert " ".join(text.split()).count("no CUDA device visible to torch") == 4  # wrapped, not cut
+    # the probe's overhead replaces the speedup column, and its noise is said as such
+    i = lines.index("train_step vs step without probe · error: |Δloss| with probe")
+    assert lines[i + 1].split() == ["size", "variant", "fastspec", "baseline", "overhead", "error"]
+    assert "≈0 (±" in lines[i + 3] and "-31.9" not in text
+    assert lines[-2].startswith("≈1× / ≈0: within noise")
+
+
+# ------------------------------------------------------------------------- fastspec compare: the bound
+def _acc(err: float, torch_err: float, family: str = "wishart") -> dict:
+    from fastspec.bench.accuracy import within_bound
+
+    return {"family": family, "n": 48, "batch": 4, "variant": "host", "fastspec_error": err,
+            "torch_fp32_error": torch_err, "ratio": err / torch_err if torch_err else None,
+            "within_2x_torch": within_bound(err, torch_err)}
+
+
+def test_compare_labels_come_from_the_exact_errors_not_the_rounded_ratio():
+    from fastspec.bench.accuracy import EPS32
+
+    assert bound_label(_acc(2e-7, 1e-7)) == "≤ 2×"
+    floor = _acc(2.08e-7, 1e-7)  # ratio 2.08: within the bound only thanks to the 8·eps floor
+    assert floor["within_2x_torch"] and bound_label(floor) == "≤ 2× + 8·eps"
+    assert compare_cells(floor)["ratio"] == "2.080"
+    over = _acc(2 * 1e-7 + 9 * EPS32, 1e-7)
+    assert not over["within_2x_torch"] and bound_label(over) == "FAIL"
+    assert bound_label(_acc(0.0, 0.0)) == "≤ 2×"
+
+
+def test_compare_verdict_counts_every_case_that_ran():
+    ok, floor = _acc(1e-7, 1e-7), _acc(2.08e-7, 1e-7, "powerlaw")
+    capped = {"family": "zero", "n": 48, "batch": 4, "skipped": "time cap reached before this case started"}
+    assert compare_verdict([ok, floor, capped]) == (True, (
+        "PASS: all 2 cases within 2× torch.linalg fp32's error vs fp64 (+ 8·eps floor); "
+        "1 within it only by the floor; 1 not run (time cap)"))
+    raised = {"family": "spd", "n": 16, "batch": 4, "variant": "auto", "error": "RuntimeError: x"}
+    passed, line = compare_verdict([ok, _acc(1e-5, 1e-7, "wilkinson"), raised])
+    assert not passed and line.startswith("FAIL: 2 of 3 cases exceed 2× torch.linalg fp32's error")
+    assert "wilkinson n=48 host ratio 100.000" in line and "spd n=16 auto raised" in line
+    assert compare_verdict([capped]) == (True, "NO RESULT: no case ran; 1 not run (time cap)")

@@ -1,5 +1,7 @@
-"""Start-up stays cheap: ``import fastspec`` and ``fastspec --help`` import no compiler stack, no
-optional library and no sub-command module; ``fastspec CMD`` imports CMD's module alone.
+"""Start-up stays cheap: ``import fastspec``, ``import fastspec.cli`` and ``fastspec --help``
+import no torch, no compiler stack, no optional library and no sub-command module (the public
+names load on first use); ``fastspec CMD`` imports CMD's module alone, and the light commands'
+``--help`` imports no torch either.
 
 Each check runs in a fresh interpreter, since this pytest process has long imported everything.
 No timing assertions (timing belongs to benchmarks); the import time is printed for ``-s`` runs.
@@ -26,6 +28,8 @@ from fastspec.eig import native
 HEAVY = ("torch._dynamo", "scipy", "triton", "pandas", "matplotlib", "transformers")
 LAZY = ("fastspec.analysis", "fastspec.plots", "fastspec.report", "fastspec.integrations", "fastspec.demo",
         "fastspec.bench")
+# commands whose --help builds its parser without torch (all of them)
+LIGHT = ("info", "bench", "compare", "report", "demo")
 # the unit each command's module belongs to: "fastspec.bench.cli" -> "fastspec.bench"
 UNITS = {name: ".".join(module.split(".")[:2]) for name, (module, _) in COMMANDS.items()}
 
@@ -81,13 +85,50 @@ def test_import_fastspec_leaves_heavy_and_lazy_modules_out():
     assert not got["leaked"], f"`import fastspec` imported {_leaks(got)}"
 
 
+def test_import_fastspec_and_its_cli_leave_torch_out():
+    got = _child(f"""
+        import fastspec
+        res = {{"fastspec": loaded(("torch",) + {HEAVY + LAZY!r})}}
+        import fastspec.cli
+        res["leaked"] = loaded(("torch",) + {HEAVY + LAZY!r})
+        print(json.dumps(res))
+    """)
+    assert not got["fastspec"], f"`import fastspec` imported {', '.join(got['fastspec'])}"
+    assert not got["leaked"], f"`import fastspec.cli` imported {_leaks(got)}"
+
+
+def test_public_names_load_on_first_use_and_all_of_them_resolve():
+    got = _child("""
+        import fastspec
+        res = {"dir": dir(fastspec), "all": fastspec.__all__}
+        ns = {}
+        exec("from fastspec import " + ", ".join(fastspec.__all__), ns)  # every name, the star-less way
+        res["torch_after_from"] = "torch" in sys.modules
+        res["same"] = [n for n in fastspec.__all__ if ns[n] is not getattr(fastspec, n)]
+        res["home"] = {n: getattr(ns[n], "__module__", None) or ns[n].__name__ for n in fastspec.__all__}
+        res["submodule"] = fastspec.probe.ModuleSite.__module__  # README: fastspec.probe.ModuleSite
+        print(json.dumps(res))
+    """)
+    assert set(got["all"]) <= set(got["dir"]) and {"analysis", "probe"} <= set(got["dir"])
+    assert got["torch_after_from"] and got["same"] == []
+    assert all(home.startswith("fastspec.") for home in got["home"].values()), got["home"]
+    assert got["submodule"] == "fastspec.probe.sites"
+    # and in this process: the lazy names are the objects their modules define
+    from fastspec.covariance import Covariance
+    from fastspec.probe import Probe, Record
+
+    assert (fastspec.Probe, fastspec.Record, fastspec.Covariance) == (Probe, Record, Covariance)
+    with pytest.raises(AttributeError, match="no_such_name"):
+        fastspec.no_such_name
+
+
 def test_help_lists_every_command_without_importing_any():
     # `python -m fastspec --help`, run by runpy in the child so that sys.modules can be read after
     got = _child(f"""
         import runpy
         sys.argv = ["fastspec", "--help"]
         res = captured(lambda: runpy.run_module("fastspec", run_name="__main__"))
-        res["leaked"] = loaded({HEAVY + LAZY + tuple(UNITS.values())!r})
+        res["leaked"] = loaded(("torch",) + {HEAVY + LAZY + tuple(UNITS.values())!r})
         print(json.dumps(res))
     """)
     assert got["code"] == 0, got["stderr"]
@@ -106,12 +147,15 @@ def test_command_help_imports_that_command_only(command):
         res = captured(lambda: main([{command!r}, "--help"]))
         res["own"] = {module!r} in sys.modules
         res["leaked"] = loaded({others!r})
+        res["torch"] = "torch" in sys.modules
         print(json.dumps(res))
     """)
     assert got["code"] == 0, got["stderr"]
     assert got["stdout"].startswith(f"usage: fastspec {command}"), got["stdout"]
     assert got["own"], f"`fastspec {command} --help` did not import {module}"
     assert not got["leaked"], f"`fastspec {command} --help` imported {_leaks(got)}"
+    if command in LIGHT:
+        assert not got["torch"], f"`fastspec {command} --help` imported torch"
 
 
 def test_bench_help_leaves_demo_out():

@@ -1,8 +1,11 @@
-"""``fastspec bench``: time fastspec against what one writes with torch.linalg, in one table.
+"""``fastspec bench``: time fastspec against what one writes with torch.linalg.
 
 Runs the cases of :mod:`fastspec.bench.cases` (the same ones ``pytest benchmarks`` runs) without
 pytest: warmup, then the median of repeats (CUDA events on GPU, ``perf_counter`` on CPU), and
-prints one table headed by device, driver/CUDA, torch, triton and fastspec versions.
+prints, under a header naming device, driver/CUDA, torch, triton and fastspec versions, one
+narrow table per suite and baseline (:func:`fastspec.bench.table.bench_text`; ``--wide``: every
+field in one table, as in the README). A speedup or overhead within the spread of the repeats
+prints as noise (:data:`fastspec.bench.table.NOISE_RULE`); ``--json`` keeps every number.
 
     fastspec bench                              # GPU sizes with CUDA, CPU sizes otherwise
     fastspec bench --quick                      # seconds on a CPU (CI)
@@ -16,6 +19,9 @@ signal) ends the case in flight; either way the cases not measured get ``skipped
 the cap, ``--json`` holds every row measured so far (it is rewritten after each case, so even a
 SIGKILL keeps the finished ones) and the exit status is 0 unless a case raised.
 
+Bad flags (and flags the chosen mode would ignore) are refused with a one-line ValueError naming
+the flag before anything runs or is written.
+
 Layout: the flags both commands share are in :mod:`fastspec.bench.cli_common`; ``--accuracy``
 hands over to :mod:`fastspec.bench.cli_compare`, which imports nothing from here.
 """
@@ -27,24 +33,43 @@ import signal
 import sys
 from pathlib import Path
 
-from .cli_common import add_time_limit, deadline_of, print_header, resolve, write_json
+from .cli_common import (
+    SUITES,
+    TIERS,
+    add_time_limit,
+    check_flags,
+    deadline_of,
+    print_header,
+    resolve,
+    write_json,
+)
+
+# flags that only a timing run reads: refused with --accuracy or --table rather than ignored
+RUN_ONLY = {"suite": "--suite", "filter": "--filter", "warmup": "--warmup", "repeats": "--repeats",
+            "threads": "--threads", "wide": "--wide"}
+SHARED = {"quick": "--quick", "tier": "--tier", "device": "--device", "json": "--json",
+          "time_limit": "--time-limit", "accuracy": "--accuracy"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .case import TIERS
-    from .cases import SUITES
+    from .table import NOISE_RULE
 
+    p.epilog = NOISE_RULE
     p.add_argument("--quick", action="store_true", help="tiny sizes, seconds on a CPU (same as --tier quick)")
     p.add_argument("--tier", choices=TIERS, help="size tier (default: gpu with CUDA, cpu otherwise)")
     p.add_argument("--suite", action="append", choices=SUITES,
                    help="run only this suite (repeatable; default: all)")
-    p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed calls per case (default 2, 1 with --quick)")
-    p.add_argument("--repeats", type=int, default=None, help="timed calls per case (default 5, 3 with --quick)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--device", help="torch device: cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    p.add_argument("--warmup", type=int, default=None, metavar="N",
+                   help="untimed calls per case (default 2, 1 with --quick)")
+    p.add_argument("--repeats", type=int, default=None, metavar="N",
+                   help="timed calls per case (default 5, 3 with --quick); their spread is the noise")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch CPU threads (default: torch's; 1 gives steadier CPU numbers on a shared machine)")
     p.add_argument("--json", type=Path, metavar="PATH",
-                   help="also write the results as JSON to PATH (rewritten after every case)")
+                   help="also write the results, every field, as JSON to PATH (rewritten after every case)")
+    p.add_argument("--wide", action="store_true",
+                   help="print every field in one wide table (the README's layout) instead of one per suite")
     p.add_argument("--filter", action="append", metavar="TEXT",
                    help="run only cases whose 'suite size variant' contains TEXT (repeatable: any)")
     add_time_limit(p)
@@ -55,6 +80,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--readme", type=Path, metavar="PATH",
                    help="with --table: the README to rewrite (default: README.md of the repository "
                         "holding the fastspec package)")
+
+
+def refuse(args: argparse.Namespace, flags: dict[str, str], mode: str) -> None:
+    """ValueError naming the first of ``flags`` given on the command line, which ``mode`` ignores."""
+    for dest, flag in flags.items():
+        if getattr(args, dest, None) not in (None, False):
+            raise ValueError(f"{flag}: not used with {mode}; drop it")
+
+
+def check_run_flags(args: argparse.Namespace) -> None:
+    """The numeric flags of a timing run (ValueError naming the flag)."""
+    for flag, value, least in (("--warmup", args.warmup, 0), ("--repeats", args.repeats, 1),
+                               ("--threads", args.threads, 1)):
+        if value is not None and value < least:
+            raise ValueError(f"{flag}: expected an int >= {least}, got {value}")
 
 
 @contextlib.contextmanager
@@ -87,35 +127,39 @@ def run(args: argparse.Namespace) -> int:
     if args.readme is not None and not args.table:
         raise ValueError("--readme: goes with --table (the README is only rewritten when asked)")
     if args.table:
+        refuse(args, {**SHARED, **RUN_ONLY}, "--table (it regenerates the README's table only)")
         from .table import regenerate
 
         readme, fresh = regenerate(args.readme)
         print(f"{readme} benchmark table " + ("already up to date" if fresh else "rewritten"))
         return 0
     if args.accuracy:
+        refuse(args, RUN_ONLY, "--accuracy (fastspec compare)")
         from .cli_compare import run as run_compare
 
         return run_compare(args)
 
-    from .cases import SUITES, cases
-    from .runner import capped, report, run_cases
-    from .table import BENCH_COLUMNS, bench_cells, render_text
-
+    check_flags(args)
+    check_run_flags(args)
     device, tier = resolve(args)
     deadline = deadline_of(args)
+    from .cases import cases
+    from .runner import capped, report, run_cases
+    from .table import BENCH_COLUMNS, bench_cells, bench_text, render_text
+
     if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads: expected an int >= 1, got {args.threads}")
         import torch
 
         torch.set_num_threads(args.threads)
     warmup = args.warmup if args.warmup is not None else (1 if tier == "quick" else 2)
     repeats = args.repeats if args.repeats is not None else (3 if tier == "quick" else 5)
-    selected = select([c for s in (args.suite or SUITES) for c in cases(s, tier, device)], args.filter)
+    suites = dict.fromkeys(args.suite or SUITES)  # in order, each once
+    selected = select([c for s in suites for c in cases(s, tier, device)], args.filter)
     if not selected:
-        raise ValueError(f"--filter: no case matches {args.filter}")
+        raise ValueError(f"--filter: expected text that some case's 'suite size variant' contains, "
+                         f"got {', '.join(map(repr, args.filter))}")
     doc = report("bench", tier, [])
-    print_header(doc["environment"], tier)
+    print_header(doc["environment"], tier, f" · median of {repeats} repeats after {warmup} warm-up")
 
     def save(rows: list[dict]) -> None:
         doc["results"] = list(rows)
@@ -126,7 +170,10 @@ def run(args: argparse.Namespace) -> int:
         doc["results"] = run_cases(
             selected, device, warmup=warmup, repeats=repeats, deadline=deadline, on_rows=save,
             progress=lambda c: print(f"  {c.suite} {c.id} ...", file=sys.stderr, flush=True))
-    print(render_text(BENCH_COLUMNS, [bench_cells(r) for r in doc["results"]]))
+    if args.wide:
+        print(render_text(BENCH_COLUMNS, [bench_cells(r) for r in doc["results"]]))
+    else:
+        print(bench_text(doc["results"]))
     if args.json:
         write_json(args.json, doc)
     if capped(doc["results"]):

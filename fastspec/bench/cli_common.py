@@ -1,9 +1,16 @@
 """What ``fastspec bench`` (:mod:`fastspec.bench.cli`) and ``fastspec compare``
-(:mod:`fastspec.bench.cli_compare`) share: the time-limit flag, device and tier resolution, the
-header line and the atomic JSON writer.
+(:mod:`fastspec.bench.cli_compare`) share: the flags' constants, their validation, device and
+tier resolution, the header line and the atomic JSON writer.
 
 Both commands import this module and neither imports the other's helpers, so ``bench
---accuracy`` can hand over to ``compare`` without an import cycle.
+--accuracy`` can hand over to ``compare`` without an import cycle. Nothing here imports torch
+at module level: ``fastspec bench --help`` builds its parser from the constants below
+(tests/test_bench_cli.py checks they match :data:`fastspec.bench.case.TIERS` and
+:data:`fastspec.bench.cases.SUITES`).
+
+Bad input raises ValueError with a one-line message that starts with the flag; ``fastspec``'s
+dispatcher (:func:`fastspec.cli.main`) prints it as a usage error. Every check runs before
+anything is measured or written.
 """
 from __future__ import annotations
 
@@ -12,6 +19,9 @@ import json
 import os
 import time
 from pathlib import Path
+
+TIERS = ("quick", "cpu", "gpu")
+SUITES = ("eigvalsh", "covariance", "keyrank", "train_step", "probe", "train_step_compiled")
 
 
 def add_time_limit(p: argparse.ArgumentParser) -> None:
@@ -29,28 +39,70 @@ def deadline_of(args: argparse.Namespace) -> float | None:
     return time.monotonic() + limit
 
 
-def resolve(args: argparse.Namespace):
-    """``(device, tier)`` from the flags; ValueError naming the flag on a contradiction."""
+def check_json_path(path: Path | None) -> None:
+    """``--json PATH`` can be written: not a directory, and its nearest existing folder is a
+    writable directory (checked before a run, which would otherwise fail only at its end)."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise ValueError(f"--json: expected a file path, got the directory {path}")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"--json: expected a path under a directory, but {parent} is a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--json: expected a writable location, {parent} is not writable")
+
+
+def parse_device(text: str | None):
+    """``--device`` as a ``torch.device``: ``cpu`` or ``cuda[:N]`` of a visible GPU (default:
+    cuda if available, else cpu)."""
     import torch
 
-    from .case import default_device, default_tier
+    from .case import default_device
 
-    device = default_device() if args.device is None else torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device: {args.device!r} requested but CUDA is not available")
+    if text is None:
+        return default_device()
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device: expected cpu, cuda or cuda:N, got {text!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device: {text!r} requested but CUDA is not available")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device: expected cuda:0 .. cuda:{torch.cuda.device_count() - 1}, got {text!r}")
+    return device
+
+
+def resolve(args: argparse.Namespace):
+    """``(device, tier)`` from the flags; ValueError naming the flag on a contradiction."""
+    from .case import default_tier
+
     if args.quick and args.tier not in (None, "quick"):
-        raise ValueError(f"--quick contradicts --tier {args.tier}")
+        raise ValueError(f"--quick contradicts --tier {args.tier}: give one of them")
+    device = parse_device(args.device)
     tier = "quick" if args.quick else (args.tier or default_tier(device))
     return device, tier
 
 
-def print_header(env: dict, tier: str) -> None:
+def check_flags(args: argparse.Namespace) -> None:
+    """Checks of the flags both commands have, before anything runs (ValueError naming the flag)."""
+    deadline_of(args)
+    check_json_path(args.json)
+
+
+def print_header(env: dict, tier: str, extra: str = "") -> None:
     from .table import describe_environment
 
     print(f"# {describe_environment(env)}")
     import torch
 
-    print(f"# python {env['python']} · {env.get('cpu')} · {torch.get_num_threads()} torch threads · sizes: {tier}")
+    print(f"# python {env['python']} · {env.get('cpu')} · {torch.get_num_threads()} torch threads · "
+          f"sizes: {tier}{extra}")
 
 
 def write_json(path: Path, doc: dict, *, quiet: bool = False) -> None:

@@ -1,12 +1,15 @@
 """Run benchmark cases and collect one JSON-ready row per (case, baseline).
 
 Row fields: ``suite, size, variant, baseline`` identify it; ``fastspec_s``/``baseline_s`` are
-median seconds per call; ``speedup = baseline_s / fastspec_s``; ``rate_unit``,
-``fastspec_rate``/``baseline_rate`` the throughput (GB/s, µs/matrix); ``error_kind``,
-``fastspec_error``/``baseline_error`` the accuracy side (plus case-specific fields such as
-``pr_diff_vs_baseline``); ``overhead_pct`` for cases that time a probe on top of their baseline
-(``Case.overhead``: ``train_step``, ``train_step_compiled``, the ``probe`` suite's measure and
-train-step cases); ``torch_threads`` in the document.
+median seconds per call over ``repeats`` timed calls, ``fastspec_min_s``/``fastspec_max_s`` and
+``baseline_min_s``/``baseline_max_s`` the fastest and slowest of them (the spread
+:func:`fastspec.bench.table.time_ratio_band` judges noise by; a sliced baseline's scaled like its
+median); ``speedup = baseline_s / fastspec_s``; ``rate_unit``, ``fastspec_rate``/``baseline_rate``
+the throughput (GB/s, µs/matrix); ``error_kind``, ``fastspec_error``/``baseline_error`` the
+accuracy side (plus case-specific fields such as ``pr_diff_vs_baseline``); ``overhead_pct`` for
+cases that time a probe on top of their baseline (``Case.overhead``: ``train_step``,
+``train_step_compiled``, the ``probe`` suite's measure and train-step cases); ``torch_threads``
+in the document.
 A case that cannot run here gives one row with ``skipped`` (the reason); one that raised gives
 ``error`` (the exception) so one broken case does not hide the others. A baseline timed on a
 slice of the input (see ``Case.baseline_scale``) has its time scaled to the full input and
@@ -69,6 +72,8 @@ def run_case(case: Case, device: torch.device, *, warmup: int = 2, repeats: int 
             base_s = slow.median * scale
             row = {**head, "baseline": name, "fastspec_s": fast.median, "baseline_s": base_s,
                    "speedup": base_s / fast.median, "repeats": fast.repeats,
+                   "fastspec_min_s": fast.min, "fastspec_max_s": fast.max,
+                   "baseline_min_s": slow.min * scale, "baseline_max_s": slow.max * scale,
                    "error_kind": case.error_kind,
                    "fastspec_error": _finite(errors.get("fastspec_error")),
                    "baseline_error": _finite(errors.get(f"{name}_error", errors.get("baseline_error")))}

@@ -21,9 +21,20 @@ import sys
 from pathlib import Path
 
 BEGIN, END = "<!-- bench-table -->", "<!-- /bench-table -->"
+# every field in one row: the README's tables and ``fastspec bench --wide``
 BENCH_COLUMNS = ("suite", "size", "variant", "fastspec", "baseline", "baseline time", "speedup",
                  "throughput", "accuracy")
-COMPARE_COLUMNS = ("family", "n", "variant", "fastspec err", "torch fp32 err", "ratio", "≤ 2× torch")
+COMPARE_COLUMNS = ("family", "n", "variant", "fastspec err", "torch fp32 err", "ratio", "bound")
+WIDTH = 100  # the terminal view's notes are wrapped to this; its tables stay near it (see bench_text)
+
+NOISE_RULE = (
+    "Noise: a time difference counts only when the repeats of the two sides do not overlap (every "
+    "fastspec repeat faster than every baseline repeat, or every one slower). Otherwise the speedup "
+    "prints as ≈1× and the overhead as ≈0, with ±X%: X is the largest gap between a fastspec repeat "
+    "and a baseline repeat, (max ratio − 1) or (1 − min ratio). With a single repeat there is no "
+    "spread to judge by and the number says so.")
+NOISE_LEGEND = ("≈1× / ≈0: within noise, the repeats of fastspec and of the baseline overlap; ±X% is the "
+                "largest gap between one of each (fastspec bench --help).")
 
 
 def fmt_time(s: float | None) -> str:
@@ -39,6 +50,43 @@ def fmt_num(x: float | None, spec: str = ".2g") -> str:
     return "—" if x is None else format(x, spec)
 
 
+def time_ratio_band(row: dict) -> tuple[float, float] | None:
+    """``(lo, hi)``: every ratio of a fastspec repeat's time to a baseline repeat's lies in it,
+    ``lo = fastspec_min_s / baseline_max_s``, ``hi = fastspec_max_s / baseline_min_s``. None for
+    a row without the spread (results written before it was recorded) or a single repeat."""
+    keys = ("fastspec_min_s", "fastspec_max_s", "baseline_min_s", "baseline_max_s")
+    if row.get("repeats", 0) < 2 or any(row.get(k) is None for k in keys):
+        return None
+    return row["fastspec_min_s"] / row["baseline_max_s"], row["fastspec_max_s"] / row["baseline_min_s"]
+
+
+def noise_pct(row: dict) -> float | None:
+    """The ±X% of :data:`NOISE_RULE` when the difference is within noise (``lo ≤ 1 ≤ hi``), else
+    None: then the medians' difference stands (or the spread is unknown: :func:`time_ratio_band`)."""
+    band = time_ratio_band(row)
+    if band is None or not band[0] <= 1 <= band[1]:
+        return None
+    return 100 * max(1 - band[0], band[1] - 1)
+
+
+def _single(row: dict) -> str:
+    # a row with the spread fields but one repeat: no noise estimate, and the reader is told
+    return " (1 repeat)" if row.get("repeats") == 1 and "fastspec_min_s" in row else ""
+
+
+def speedup_text(row: dict) -> str:
+    """``baseline_s / fastspec_s`` as ``1.82×``, or ``≈1× (±12%)`` within noise."""
+    noise = noise_pct(row)
+    return f"≈1× (±{noise:.0f}%)" if noise is not None else f"{row['speedup']:.2f}×{_single(row)}"
+
+
+def overhead_text(row: dict) -> str:
+    """``overhead_pct`` as ``+68.1%``, or ``≈0 (±12%)`` within noise (never a negative number
+    that the noise allows: that would read as a speed-up the probe cannot give)."""
+    noise = noise_pct(row)
+    return f"≈0 (±{noise:.0f}%)" if noise is not None else f"{row['overhead_pct']:+.1f}%{_single(row)}"
+
+
 def bench_cells(row: dict) -> dict[str, str]:
     """One result row as table cells (see :mod:`fastspec.bench.runner` for the fields)."""
     cells = {k: "" for k in BENCH_COLUMNS}
@@ -50,13 +98,13 @@ def bench_cells(row: dict) -> dict[str, str]:
         cells["fastspec"] = f"skipped: {row['skipped']}" if "skipped" in row else f"ERROR: {row['error']}"
         return cells
     cells.update({"fastspec": fmt_time(row["fastspec_s"]), "baseline time": fmt_time(row["baseline_s"]),
-                  "speedup": f"{row['speedup']:.2f}×"})
+                  "speedup": speedup_text(row)})
     if row.get("baseline_scale"):  # timed on a slice of the batch, scaled to the whole
         cells["baseline time"] += f" (slice ×{row['baseline_scale']:g})"
     if "rate_unit" in row:
         cells["throughput"] = f"{row['fastspec_rate']:.3g} vs {row['baseline_rate']:.3g} {row['rate_unit']}"
     if "overhead_pct" in row:
-        cells["throughput"] = f"overhead {row['overhead_pct']:+.1f}% of step"
+        cells["throughput"] = f"overhead {overhead_text(row)} of step"
     acc = f"{row['error_kind']}: {fmt_num(row['fastspec_error'])}"
     if row.get("baseline_error") is not None:
         acc += f" (baseline {fmt_num(row['baseline_error'])})"
@@ -68,23 +116,141 @@ def bench_cells(row: dict) -> dict[str, str]:
     return cells
 
 
+def bound_label(row: dict) -> str:
+    """Where a measured ``fastspec compare`` row stands against its bound (see
+    :func:`fastspec.bench.accuracy.within_bound`), from the exact errors, never the rounded
+    ratio: ``≤ 2×`` (fastspec error ≤ 2 × torch's), ``≤ 2× + 8·eps`` (above 2× but within the
+    floor), ``FAIL``."""
+    from .accuracy import FLOOR_EPS
+
+    if not row.get("within_2x_torch"):
+        return "FAIL"
+    if row["fastspec_error"] <= 2 * row["torch_fp32_error"]:
+        return "≤ 2×"
+    return f"≤ 2× + {FLOOR_EPS}·eps"
+
+
 def compare_cells(row: dict) -> dict[str, str]:
     cells = {"family": row["family"], "n": str(row["n"]), "variant": row.get("variant", "")}
     if "skipped" in row:
         return {**cells, "fastspec err": f"skipped: {row['skipped']}"}
     if "error" in row:
-        return {**cells, "fastspec err": f"ERROR: {row['error']}"}
+        return {**cells, "fastspec err": f"ERROR: {row['error']}", "bound": "FAIL"}
     return {**cells, "fastspec err": fmt_num(row["fastspec_error"]),
-            "torch fp32 err": fmt_num(row["torch_fp32_error"]), "ratio": fmt_num(row["ratio"], ".3g"),
-            "≤ 2× torch": "yes" if row["within_2x_torch"] else "NO"}
+            "torch fp32 err": fmt_num(row["torch_fp32_error"]), "ratio": fmt_num(row["ratio"], ".3f"),
+            "bound": bound_label(row)}
 
 
-def render_text(columns: tuple[str, ...], cells: list[dict[str, str]]) -> str:
+def compare_verdict(rows: list[dict]) -> tuple[bool, str]:
+    """``(passed, line)``: the last line of ``fastspec compare``. Every (family, n, variant) that
+    ran must hold the bound; one that raised fails; one the time cap left out is neither."""
+    from .accuracy import FLOOR_EPS
+
+    ran = [r for r in rows if "skipped" not in r]
+    bad = [r for r in ran if not r.get("within_2x_torch")]
+    floor = sum(bound_label(r).startswith("≤ 2× +") for r in ran if r not in bad)
+    bound = f"2× torch.linalg fp32's error vs fp64 (+ {FLOOR_EPS}·eps floor)"
+    capped = f"; {len(rows) - len(ran)} not run (time cap)" if len(ran) < len(rows) else ""
+    if not ran:
+        return True, f"NO RESULT: no case ran{capped}"
+    if not bad:
+        used = f"; {floor} within it only by the floor" if floor else ""
+        return True, f"PASS: all {len(ran)} cases within {bound}{used}{capped}"
+    worst = ", ".join(f"{r['family']} n={r['n']} {r.get('variant', '')}"
+                      + (" raised" if "error" in r else f" ratio {fmt_num(r.get('ratio'), '.3f')}")
+                      for r in bad[:5])
+    more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+    return False, f"FAIL: {len(bad)} of {len(ran)} cases exceed {bound}: {worst}{more}{capped}"
+
+
+def render_text(columns: tuple[str, ...], cells: list[dict[str, str]], right: tuple[str, ...] = (),
+                indent: str = "") -> str:
+    """A plain-text table: header, rule, one line per cell dict; ``right``: right-aligned columns."""
     widths = [max([len(c)] + [len(r.get(c, "")) for r in cells]) for c in columns]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(r.get(c, "").ljust(w) for c, w in zip(columns, widths)).rstrip() for r in cells]
-    return "\n".join(lines)
+
+    def line(values: list[str]) -> str:
+        return indent + "  ".join(v.rjust(w) if c in right else v.ljust(w)
+                                  for c, v, w in zip(columns, values, widths)).rstrip()
+
+    return "\n".join([line(list(columns)), indent + "  ".join("-" * w for w in widths)]
+                     + [line([r.get(c, "") for c in columns]) for r in cells])
+
+
+def _count(n: int) -> str:
+    return f"{n} case" + ("s" if n != 1 else "")
+
+
+def _compact_cells(row: dict) -> dict[str, str]:
+    scaled = "*" if row.get("baseline_scale") else ""  # see the section's footnote
+    cells = {"size": row["size"], "variant": row["variant"], "fastspec": fmt_time(row["fastspec_s"]),
+             "baseline": fmt_time(row["baseline_s"]) + scaled,
+             "speedup": speedup_text(row), "overhead": overhead_text(row) if "overhead_pct" in row else ""}
+    if "rate_unit" in row:
+        cells["rate"] = f"{row['fastspec_rate']:.3g} vs {row['baseline_rate']:.3g}"
+    err = fmt_num(row["fastspec_error"])
+    if row.get("baseline_error") is not None:
+        err += f" ({fmt_num(row['baseline_error'])})"
+    cells["error"] = err + (" ERROR" if "error" in row else "")
+    if row.get("pr_diff_vs_baseline") is not None:
+        cells["|ΔPR|"] = fmt_num(row["pr_diff_vs_baseline"])
+    return cells
+
+
+def bench_text(rows: list[dict], width: int = WIDTH) -> str:
+    """The terminal view of ``fastspec bench``: per suite, one table per (baseline, error kind)
+    with the columns its rows fill, then one line per group of rows that were not measured.
+
+    Each table: size, variant, median times of fastspec and the baseline, ``speedup`` (or
+    ``overhead`` for a probe on top of its baseline: :func:`overhead_text`), the throughput as
+    ``fastspec vs baseline`` under its unit, the error as ``fastspec (baseline)`` and ``|ΔPR|``
+    where the case has it. Long texts (baseline names, error kinds, skip reasons) are in the
+    titles and notes, so a table is about as wide as its numbers; everything else is in
+    ``--json`` (all fields) and ``--wide`` (the README's one-table layout).
+    """
+    import textwrap
+
+    suites: dict[str, tuple[dict, dict[tuple[str, str, str], int]]] = {}
+    for r in rows:
+        tables, notes = suites.setdefault(r["suite"], ({}, {}))
+        if "fastspec_s" in r:
+            tables.setdefault((r["baseline"], r["error_kind"]), []).append(r)
+        if "error" in r:
+            note = ("ERROR", f"{r['size']} {r['variant']}", r["error"])
+        elif "skipped" in r:  # a baseline (or the requested depth) left out, or the whole case
+            note = ("not run", r["baseline"], r["skipped"]) if "baseline" in r else (
+                "skipped", f"variant {r['variant']}", r["skipped"])
+        else:
+            continue
+        notes[note] = notes.get(note, 0) + 1
+    out, noisy = [], False
+    for suite, (tables, notes) in suites.items():
+        for (baseline, kind), group in tables.items():
+            cells = [_compact_cells(r) for r in group]
+            cols = ["size", "variant", "fastspec", "baseline"]
+            cols += [c for c in ("speedup", "overhead", "rate", "error", "|ΔPR|") if any(x.get(c) for x in cells)]
+            if "overhead" in cols:  # the probe's cost on top of its baseline: the speedup repeats it
+                cols.remove("speedup")
+            units = sorted({r["rate_unit"] for r in group if "rate_unit" in r})
+            header = {"rate": " / ".join(units), "error": "error (baseline)" if any(
+                r.get("baseline_error") is not None for r in group) else "error"}
+            cells = [{header.get(c, c): x.get(c, "") for c in cols} for x in cells]
+            noisy = noisy or any(x.startswith("≈") for c in cells for x in c.values())
+            out += ["", f"{suite} vs {baseline} · error: {kind}",
+                    render_text(tuple(header.get(c, c) for c in cols), cells, indent="  ",
+                                right=("fastspec", "baseline", "speedup", "overhead"))]
+            scales = sorted({r["baseline_scale"] for r in group if r.get("baseline_scale")})
+            if scales:
+                out += textwrap.wrap("* timed on a slice of the batch and scaled to all of it (×"
+                                     + ", ×".join(f"{k:g}" for k in scales) + ")", width,
+                                     initial_indent="  ", subsequent_indent="    ")
+        if not tables:
+            out += ["", suite]
+        for (what, subject, text), n in notes.items():
+            out += textwrap.wrap(f"{what:<8} {subject}" + (f" ({_count(n)})" if n > 1 else "") + f" — {text}",
+                                 width, initial_indent="  ", subsequent_indent=" " * 11)
+    if noisy:
+        out += [""] + textwrap.wrap(NOISE_LEGEND, width)
+    return "\n".join(out).lstrip("\n")
 
 
 def render_markdown(columns: tuple[str, ...], cells: list[dict[str, str]]) -> str:

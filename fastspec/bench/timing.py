@@ -1,4 +1,4 @@
-"""Wall-clock timing for the benchmark cases: warmup, then the median of repeats.
+"""Wall-clock timing for the benchmark cases: warmup, then the median (and range) of repeats.
 
 On CUDA each repeat is bracketed by CUDA events (device time of the queued work, no host
 launch jitter); on CPU by ``time.perf_counter``. The median, not the mean, because the CI
@@ -19,10 +19,12 @@ import torch
 
 @dataclass(frozen=True)
 class Timing:
-    """Seconds per call: ``median`` over ``repeats`` timed calls, and the fastest one."""
+    """Seconds per call: ``median`` over ``repeats`` timed calls, the fastest and the slowest one
+    (their spread is what ``fastspec bench`` takes as the measurement noise)."""
 
     median: float
     min: float
+    max: float
     repeats: int
 
 
@@ -76,4 +78,4 @@ def measure_interleaved(fns: list[Callable[[], object]], *, device: torch.device
                 out.append(t)
         if deadline is not None and times[0] and time.monotonic() > deadline:
             break
-    return [Timing(statistics.median(t), min(t), len(t)) for t in times]
+    return [Timing(statistics.median(t), min(t), max(t), len(t)) for t in times]
