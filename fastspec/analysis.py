@@ -32,6 +32,7 @@ __all__ = [
     "to_frame",
     "resolve_protocol",
     "site_dimension",
+    "dimension_name",
     "layer_means",
     "trajectory",
     "summary_table",
@@ -155,6 +156,15 @@ def site_dimension(records, site: str = KEY_SITE, protocol=AUTO) -> int | None:
         dims = set(np.round(combine(both["value"], both["value_o"]).dropna()).astype(int).tolist())
         return dims.pop() if len(dims) == 1 else None
     return None
+
+
+# metrics whose per-head (per-layer for FFN) value is at most the spectrum width D, their ceiling
+BOUNDED = ("participation_ratio", "entropy_rank", "effective_dim", "rank_at_90")
+
+
+def dimension_name(site: str) -> str:
+    """What the width D of ``site``'s spectra is called: ``d_ff``, ``d_head`` (attention sites) or ``D``."""
+    return "d_ff" if site == "ffn" else "d_head" if site.startswith(("keys", "quer")) else "D"
 
 
 def layer_means(records, site: str = KEY_SITE, metric: str = KEY_METRIC, protocol=AUTO) -> pd.DataFrame:

@@ -33,14 +33,10 @@ def _label(site: str, metric: str) -> str:
     return f"{site} {metric.replace('_', ' ')}"
 
 
-# metrics whose value per head is at most the spectrum width D: drawn with a ceiling line
-BOUNDED = ("participation_ratio", "entropy_rank", "effective_dim", "rank_at_90")
-
-
 def _ceiling(df, site: str, metric: str, protocol, ceiling) -> float | None:
     """The ceiling D to draw: ``ceiling`` if a number, None if None, else (``"auto"``) the width of
     ``site``'s spectra from the records (:func:`fastspec.analysis.site_dimension`) for bounded metrics."""
-    if ceiling is None or (ceiling == "auto" and metric not in BOUNDED):
+    if ceiling is None or (ceiling == "auto" and metric not in analysis.BOUNDED):
         return None
     if ceiling == "auto":
         return analysis.site_dimension(df, site, protocol)
@@ -54,7 +50,7 @@ def _draw_ceiling(ax, D: float | None, top: float, site: str) -> None:
     (FFN PR ~4 under d_ff = 192) only a legend entry saying so, since the line would flatten the data."""
     if D is None:
         return
-    name = {"ffn": "d_ff"}.get(site, "d_head" if site.startswith(("keys", "quer")) else "D")
+    name = analysis.dimension_name(site)
     if np.isfinite(top) and D > 4 * top:
         ax.plot([], [], ls="none", label=f"ceiling {name} = {D:g} (off scale)", gid="ceiling")
     else:

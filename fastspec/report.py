@@ -108,8 +108,6 @@ def _has(df, site: str, metric: str) -> bool:
 _PROTOCOL_NOTES = {"eval": "eval, Probe.measure on a fixed batch",
                    "stream": "stream, the training tokens between emissions",
                    None: "unlabelled records"}
-# metrics bounded by the spectrum's width D (their ceiling), for the findings' ceiling sentence
-_BOUNDED = ("participation_ratio", "entropy_rank", "effective_dim", "rank_at_90")
 
 
 def _protocol_note(protocol) -> str:
@@ -323,9 +321,8 @@ def findings(records, config: dict | None = None, *, site: str = "keys", metric:
             else f"{name[0].upper() + name[1:]} (mean over heads, then layers)")
     ceiling = None
     D = dimension or analysis.site_dimension(df, site, protocol) or _config_dimension(config, site)
-    if D and ok and metric in _BOUNDED:
-        unit = {"ffn": ("a layer's", "d_ff")}.get(site, ("a head's", "d_head" if site.startswith(("keys", "quer"))
-                                                          else "D"))
+    if D and ok and metric in analysis.BOUNDED:
+        unit = ("a layer's" if site == "ffn" else "a head's", analysis.dimension_name(site))
         share = lambda k: sorted(100 * r[k] / D for r in ok)  # noqa: E731
         span = lambda v: f"{v[0]:.0f}%" if round(v[0]) == round(v[-1]) else f"{v[0]:.0f}–{v[-1]:.0f}%"  # noqa: E731
         ceiling = (f"Ceiling: {unit[0]} {name} is at most {unit[1]} = {D}; the means sit at {span(share('initial'))} "

@@ -77,15 +77,15 @@ def run(args: argparse.Namespace) -> int:
 
     from ..cli import show_tracebacks
     from ..report import run_findings
-    from .train import run_demo
+    from .train import check_out_dir, run_demo
 
     out = args.out or Path("fastspec_runs") / time.strftime("%Y%m%d-%H%M%S")
     try:  # user errors: one line on stderr, exit code 2, nothing written
         cfg = config_from_args(args)
-        if out.exists() and not out.is_dir():
-            raise ValueError(f"--out: {out} is a file; expected a folder")
-        if (out / "records.jsonl").exists():
-            raise ValueError(f"--out: {out} already holds a run (records.jsonl); choose another folder")
+        try:
+            check_out_dir(out)
+        except ValueError as e:
+            raise ValueError(_as_flag(str(e))) from None
     except ValueError as e:
         print(f"fastspec demo: {e}", file=sys.stderr)
         return 2

@@ -86,6 +86,15 @@ def check_device(device: str) -> None:
         raise ValueError(f"device: expected cpu, cuda, cuda:N or mps, got {device!r}")
 
 
+def check_out_dir(out: Path) -> None:
+    """Raise ValueError naming ``out_dir`` unless ``out`` can hold a new run: a folder (or a path
+    still to be made) without a ``records.jsonl``."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out_dir: {out} is a file; expected a folder")
+    if (out / "records.jsonl").exists():
+        raise ValueError(f"out_dir: {out} already holds a run (records.jsonl); choose another folder")
+
+
 class RecordWriter:
     """Appends records as JSON lines and flushes each batch, so a killed run stays readable."""
 
@@ -215,10 +224,7 @@ def run_demo(cfg: DemoConfig, out_dir, *, progress: bool = True) -> tuple[Path, 
 
     check_device(cfg.device)
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"out_dir: {out} is a file; expected a folder")
-    if (out / "records.jsonl").exists():
-        raise ValueError(f"out_dir: {out} already holds a run (records.jsonl); choose another folder")
+    check_out_dir(out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"status": "running", "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "model": dataclasses.asdict(cfg.size),

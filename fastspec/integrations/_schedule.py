@@ -1,5 +1,5 @@
 """What the Lightning and HF callbacks share: building the probe, moving the batch, the schedule,
-checking ``alerts``."""
+checking ``alerts``, one scheduled measurement."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
@@ -48,3 +48,21 @@ def make_probe(probe, model: torch.nn.Module, probe_kwargs: dict | None):
     if isinstance(probe, Callable):
         return probe(model)
     raise TypeError(f"probe: expected a fastspec.Probe, a factory model -> Probe, or None, got {type(probe).__name__}")
+
+
+def measure(cb, model: torch.nn.Module, step: int) -> tuple[list, dict[str, float], list | None]:
+    """One scheduled measurement of callback ``cb`` (its ``probe``, ``batch``, ``tokens_per_step``,
+    ``prefix``, ``alerts`` and ``records``): the new records (also appended to ``cb.records``), their
+    :func:`~fastspec.integrations.scalars` and the alerts they raise (None without ``alerts``), whose
+    number is the scalar ``{prefix}/alerts``. The alerts are not notified yet: the caller logs first,
+    so that ``action="raise"`` never loses the measurement."""
+    from . import scalars
+
+    tokens = None if cb.tokens_per_step is None else step * cb.tokens_per_step
+    new = cb.probe.measure(to_device(cb.batch, model_device(model)), step=step, tokens_seen=tokens)
+    cb.records.extend(new)
+    values = scalars(new, cb.prefix)
+    fired = None if cb.alerts is None else cb.alerts.check(new, notify=False)
+    if fired is not None:
+        values[f"{cb.prefix}/alerts"] = float(len(fired))
+    return new, values, fired

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from transformers import TrainerCallback
 
-from . import scalars
-from ._schedule import check_alerts, check_every, make_probe, model_device, to_device
+from ._schedule import check_alerts, check_every, make_probe, measure
 
 
 class FastspecTrainerCallback(TrainerCallback):
@@ -45,13 +44,7 @@ class FastspecTrainerCallback(TrainerCallback):
         if self.probe is None:
             self.probe = make_probe(self._probe_arg, model, self.probe_kwargs)
         step = int(state.global_step)
-        tokens = None if self.tokens_per_step is None else step * self.tokens_per_step
-        new = self.probe.measure(to_device(self.batch, model_device(model)), step=step, tokens_seen=tokens)
-        self.records.extend(new)
-        values = scalars(new, self.prefix)
-        fired = None if self.alerts is None else self.alerts.check(new, notify=False)
-        if fired is not None:
-            values[f"{self.prefix}/alerts"] = len(fired)
+        new, values, fired = measure(self, model, step)
         state.log_history.append({**values, "step": step})
         if self.writer is not None:
             from .tensorboard import log_to_tensorboard

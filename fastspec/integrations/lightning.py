@@ -9,8 +9,7 @@ try:
 except ImportError:  # the pre-2.0 package name
     from pytorch_lightning import Callback
 
-from . import scalars
-from ._schedule import check_alerts, check_every, make_probe, model_device, to_device
+from ._schedule import check_alerts, check_every, make_probe, measure
 
 
 class FastspecCallback(Callback):
@@ -57,14 +56,7 @@ class FastspecCallback(Callback):
         if step == self._last_step:  # gradient accumulation: several batches per optimizer step
             return
         self._last_step = step
-        model = self._model(pl_module)
-        tokens = None if self.tokens_per_step is None else step * self.tokens_per_step
-        new = self.probe.measure(to_device(self.batch, model_device(model)), step=step, tokens_seen=tokens)
-        self.records.extend(new)
-        values = scalars(new, self.prefix)
-        fired = None if self.alerts is None else self.alerts.check(new, notify=False)
-        if fired is not None:
-            values[f"{self.prefix}/alerts"] = float(len(fired))
+        _, values, fired = measure(self, self._model(pl_module), step)
         for logger in trainer.loggers:
             logger.log_metrics(values, step=step)
         if fired:

@@ -82,23 +82,24 @@ class Emitter:
         return items
 
     @staticmethod
-    def _solve(items: list[Item]) -> Iterator[tuple[Tensor, list[tuple[int, slice]]]]:
-        """One eigensolve per (convention, D, device) group of items: ``(spectra [ΣS, D]
-        descending, [(item index, its rows of spectra)])``."""
+    def _solve(items: list[Item]) -> Iterator[tuple[str, Tensor, list[tuple[int, slice]]]]:
+        """One eigensolve per (convention, D, device) group of items: ``(convention, spectra
+        [ΣS, D] descending, [(item index, its rows of spectra)])``."""
         groups: dict[tuple, list[int]] = {}
         for i, (_, acc, cov) in enumerate(items):
             groups.setdefault((acc.convention, cov.D, cov.device), []).append(i)
         for (convention, D, _), idx in groups.items():
             mats = torch.cat([items[i][2].matrix(convention).reshape(-1, D, D) for i in idx])
             bounds = list(accumulate((items[i][2].num_sites for i in idx), initial=0))
-            yield spectra(mats, convention), [(i, slice(a, b)) for i, a, b in zip(idx, bounds, bounds[1:])]
+            rows = [(i, slice(a, b)) for i, a, b in zip(idx, bounds, bounds[1:])]
+            yield convention, spectra(mats, convention), rows
 
     def spectra(self, collector: Collector) -> dict[SiteKey, Tensor]:
         """Descending spectrum ``[*sites, D]`` of every (site, layer): eigenvalues (``eig``) or
         singular values (``sv``), as ``Covariance.spectrum`` computes them."""
         items = self._items(collector)
         out: list[Tensor | None] = [None] * len(items)
-        for spec, parts in self._solve(items):
+        for _, spec, parts in self._solve(items):
             for i, sl in parts:
                 cov = items[i][2]
                 out[i] = spec[sl].reshape(*cov.sites, cov.D)
@@ -107,18 +108,17 @@ class Emitter:
     def _blocks(self, items: list[Item]) -> list[Tensor]:
         """Per item, its ``[len(RECORD_METRICS), S]`` float64 block of values."""
         blocks: list[Tensor | None] = [None] * len(items)
-        for spec, parts in self._solve(items):
+        for convention, spec, parts in self._solve(items):
             m = summarize(spec, check_negative=False)
             cols = torch.stack([getattr(m, name).double() for name in SPECTRUM_METRICS])  # [M, ΣS]
             # variance per direction: λ of C for eig; σ² (energy of the uncentred rows) for sv, as in
             # PCA's "components for 90% explained variance" of the key matrix
-            sv = items[parts[0][0]][1].convention == "sv"
-            r90 = rank_at(spec.square() if sv else spec, 0.9, check_negative=False).double()
+            r90 = rank_at(spec.square() if convention == "sv" else spec, 0.9, check_negative=False).double()
             for i, sl in parts:
-                _, acc, cov = items[i]
+                cov = items[i][2]
                 n = cov.n.double().reshape(-1)
                 top = spec[sl, 0].double()
-                lam_max = top if acc.convention == "eig" else top.square() / n  # sv: top eigenvalue of XᵀX/n
+                lam_max = top if convention == "eig" else top.square() / n  # sv: top eigenvalue of XᵀX/n
                 rest = [r90[sl], lam_max, n, cov.rejected.double().reshape(-1)]
                 blocks[i] = torch.cat([cols[:, sl], torch.stack(rest)])
         return blocks
