@@ -27,16 +27,22 @@ def llama(**kw):
     return transformers.LlamaForCausalLM(cfg)
 
 
+def _randomize_norms(model, names=("k_norm", "q_norm")):
+    """A non-trivial learned γ in every attention block's ``names`` modules (gamma_cv not 0)."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for name in names:
+                norm = getattr(layer.self_attn, name, None)
+                if norm is not None:
+                    norm.weight.uniform_(0.5, 1.5)
+    return model
+
+
 def qwen3(**kw):
     cfg = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                    head_dim=8, max_position_embeddings=64, **kw)
-    model = transformers.Qwen3ForCausalLM(cfg)
-    with torch.no_grad():  # a non-trivial learned γ, so gamma_cv is not 0
-        for layer in model.model.layers:
-            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
-            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
-    return model
+    return _randomize_norms(transformers.Qwen3ForCausalLM(cfg))
 
 
 def gpt2(**kw):
@@ -51,17 +57,6 @@ def bert(**kw):
                                   num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
                                   hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **kw)
     return transformers.BertModel(cfg)
-
-
-def _randomize_norms(model, names=("k_norm", "q_norm")):
-    """A non-trivial learned γ in every attention block's ``names`` modules (gamma_cv not 0)."""
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for name in names:
-                norm = getattr(layer.self_attn, name, None)
-                if norm is not None:
-                    norm.weight.uniform_(0.5, 1.5)
-    return model
 
 
 def gpt_neox(**kw):

@@ -26,6 +26,17 @@ def _fastspec_warnings(caught) -> list[str]:
     return [str(w.message) for w in caught if str(w.message).startswith("fastspec.Probe")]
 
 
+def _streaming_warnings(probe, model, steps: int) -> list[str]:
+    """The fastspec warnings of ``steps`` streaming steps, each one forward on a fresh ``batch()``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with probe.streaming():
+            for step in range(steps):
+                model(**batch())
+                probe.step(step)
+    return _fastspec_warnings(caught)
+
+
 def test_measure_and_spectra_take_any_mapping_of_model_kwargs():
     model = build("llama")
     inputs = batch(pad="left")
@@ -182,13 +193,7 @@ def test_sites_that_capture_no_rows_warn_with_a_hint(monkeypatch):
     assert "fastspec.probe.FAMILIES" in msgs[0] and "ffn=False" in msgs[0]
     assert "site 'model.embed_tokens' captured no rows" in msgs[1] and "floating-point input" in msgs[1]
     # streaming: at the first emission, once per site
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with probe.streaming():
-            for step in range(3):
-                model(**batch())
-                probe.step(step)
-    msgs = _fastspec_warnings(caught)
+    msgs = _streaming_warnings(probe, model, 3)
     assert [m.split("'")[1] for m in msgs] == ["ffn", "model.embed_tokens"]
     assert all("captured no rows by step 0" in m for m in msgs)
 
@@ -197,13 +202,7 @@ def test_streaming_warns_when_the_model_bypasses_the_attention_interface(monkeyp
     model = build("bert")
     monkeypatch.setattr(hf_attention, "watch", lambda callbacks, impl: hf_attention.Watch([], []))
     probe = fastspec.Probe(model, emit_every=1)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with probe.streaming():
-            for step in range(2):
-                model(**batch())
-                probe.step(step)
-    msgs = _fastspec_warnings(caught)
+    msgs = _streaming_warnings(probe, model, 2)
     assert len(msgs) == 1 and "site 'keys' captured no rows by step 0" in msgs[0]
     assert "attention interface" in msgs[0]
 
