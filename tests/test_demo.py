@@ -356,6 +356,29 @@ def test_findings_say_whether_gamma_moved(final_cv, told_apart):
     assert gamma.startswith("γ moved") == told_apart
 
 
+def test_findings_take_the_ceiling_from_the_config_when_the_records_lack_it():
+    """Records without ``ghost_dims``/``utilization`` (a user's own) give no D: it comes from the
+    run's ``config["model"]`` (``head_dim``, else ``d_model // heads``, for keys; ``d_ff`` for the
+    FFN), and without one there is no ceiling sentence."""
+    rows = [r for r in _study({"a": lambda s, l: 8.0}) if r["metric"] == "participation_ratio"]
+
+    def ceiling(records, model=None):
+        config = {**ONE_SEED, **({} if model is None else {"model": model})}
+        return findings(records, config, site=records[0]["site"]).ceiling
+
+    sentence = ("Ceiling: a head's key PR is at most d_head = {}; the means sit at {} of it at the first probe "
+                "and at {} at the last.")
+    assert ceiling(rows) is None
+    assert ceiling(rows, {"head_dim": 32, "d_model": 64, "heads": 4}) == sentence.format(32, "25%", "25%")
+    assert ceiling(rows, {"d_model": 64, "heads": 4}) == sentence.format(16, "50%", "50%")
+    assert ceiling(rows, {"d_ff": 80}) is None  # the FFN's width is not the keys'
+    ffn = [{**r, "site": "ffn"} for r in rows]
+    assert ceiling(ffn, {"d_ff": 80, "head_dim": 32}) == (
+        "Ceiling: a layer's ffn participation ratio is at most d_ff = 80; the means sit at 10% of it at the first "
+        "probe and at 10% at the last.")
+    assert ceiling(ffn, {"head_dim": 32}) is None
+
+
 def test_findings_count_seeds():
     curves = {"a": lambda s, l: 8.0 - s / 100, "b": lambda s, l: 8.0}
     assert "One seed per condition" in findings(_study(curves), ONE_SEED).caveats[0]
