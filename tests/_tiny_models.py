@@ -10,6 +10,7 @@ per-head ``qk_layernorm`` (Phi), Q/K-norm over the whole projection (OLMo 2/3).
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 
 import pytest
@@ -117,6 +118,13 @@ BUILDERS = {"llama": llama, "qwen3": qwen3, "gpt2": gpt2, "bert": bert, "gpt_neo
 def build(name: str, **kw):
     torch.manual_seed(0)
     return BUILDERS[name](**kw).eval()
+
+
+def cache_kwarg(model) -> str:
+    """The name ``model.forward`` takes its KV cache under: ``cache`` from transformers 5.24 on,
+    ``past_key_values`` before (read off the signature, not off the version number)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def minilm_dir() -> str | None:

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from _tiny_models import batch, build, transformers
+from _tiny_models import batch, build, cache_kwarg, transformers
 
 import fastspec
 from fastspec.probe import ModuleSite, hf_attention
@@ -110,7 +110,8 @@ def test_attention_mask_that_does_not_fit_the_tokens_raises(make):
 
 def test_attention_mask_is_checked_inside_a_compiled_graph():
     """Compiled, the check runs at the first capture, in the model's graph (shape guards only):
-    a compiled graph cannot raise the ValueError itself, it names it in dynamo's error."""
+    a compiled graph cannot raise the ValueError itself, it names it in dynamo's error, whose
+    wording differs between torch versions."""
     model = build("gpt2")
     inputs = batch(B=3, T=12, pad="right")
     probe = fastspec.Probe(model, emit_every=1).attach()
@@ -120,9 +121,12 @@ def test_attention_mask_is_checked_inside_a_compiled_graph():
         with torch.no_grad():
             compiled(**inputs)
             assert _n(probe.step(0), "keys") == {inputs["attention_mask"].sum().item()}
-            with pytest.raises((ValueError, torch._dynamo.exc.Unsupported),
-                               match=r"attention_mask: expected a 2-D padding mask of shape \[3, 12\]"):
+            with pytest.raises((ValueError, torch._dynamo.exc.Unsupported)) as info:
                 compiled(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"][:, :-3])
+            # torch 2.13 prints the message whole; 2.11 prints the pieces of its f-string one by one
+            # (``...shape '), ConstantVariable(str: '[3, 12]')``): both name the argument and the shape
+            assert "attention_mask: expected a 2-D padding mask of shape " in str(info.value)
+            assert "[3, 12]" in str(info.value)
     finally:
         probe.detach()
         torch._dynamo.reset()
@@ -168,11 +172,66 @@ def test_generation_with_a_cache_may_pass_a_longer_mask():
     inputs = batch(B=2, T=6, pad="left")
     probe = fastspec.Probe(model, ffn_rows="all", emit_every=1)
     with probe.streaming():
-        model.generate(**inputs, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
         assert _n(probe.step(0), "ffn") == {inputs["attention_mask"].sum().item() + 2 * 2}
+
+
+def _cache_names(model) -> list[str]:
+    """Every keyword the installed transformers' forward takes a KV cache under: ``cache`` from
+    5.24 on, where ``past_key_values`` stays as a deprecated alias; ``past_key_values`` before."""
+    return ["cache", "past_key_values"] if cache_kwarg(model) == "cache" else ["past_key_values"]
+
+
+def test_a_mask_longer_than_the_tokens_passes_with_a_cache_and_raises_without_one():
+    """Decode step by hand: one new token per sequence, a mask over the cached tokens too. With
+    the cache (under any name the forward takes, or by position) it passes and counts the new
+    tokens; without a cache the same mask cannot be read and raises, ``use_cache=True`` or not."""
+    model = build("llama")
+    inputs = batch(B=2, T=6, pad="left")
+    new = torch.tensor([[5], [7]])
+    mask = torch.cat([inputs["attention_mask"], torch.ones(2, 1, dtype=torch.long)], 1)  # [2, 7]
+    probe = fastspec.Probe(model, ffn_rows="all", emit_every=1)
+    with probe.streaming(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # 5.24's deprecated past_key_values name
+        for name in [*_cache_names(model), None]:  # None: positionally
+            cache = transformers.DynamicCache()
+            model(**inputs, **{cache_kwarg(model): cache}, use_cache=True)  # prefill fills the cache
+            probe.step(0)  # drop the prefill's rows
+            if name is None:  # forward(input_ids, attention_mask, position_ids, cache, ...)
+                model(new, mask, None, cache)
+            else:
+                model(input_ids=new, attention_mask=mask, **{name: cache})
+            assert _n(probe.step(0), "ffn") == {2}
+        for kw in ({}, {"use_cache": True}):
+            with pytest.raises(ValueError, match=r"attention_mask: expected .* shape \[2, 1\] \(the \[B, T\] of"):
+                model(input_ids=new, attention_mask=mask, **kw)
+        # a cache may make the mask longer, never shorter
         with pytest.raises(ValueError, match=r"attention_mask: expected .* shape \[2, >= 6\] .* KV cache"):
             model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"][:, :4],
-                  past_key_values=transformers.DynamicCache())
+                  **{cache_kwarg(model): transformers.DynamicCache()})
+
+
+class _KVNet(torch.nn.Module):
+    """A forward that takes its KV cache under a name of its own (``kv``)."""
+
+    def forward(self, input_ids, attention_mask=None, kv=None):
+        return input_ids
+
+
+def test_a_cache_object_under_any_keyword_counts_as_a_cache():
+    """The object decides, not the argument's name: a ``Cache`` passed as ``kv=`` lets the mask
+    cover earlier tokens; ``kv=None`` (or a non-cache value) does not."""
+    from fastspec.probe.hooks import ForwardScope
+
+    scope = ForwardScope(_KVNet())
+    ids, mask = torch.ones(2, 1, dtype=torch.long), torch.ones(2, 7, dtype=torch.long)
+    scope.start(None, (ids, mask), {"kv": transformers.DynamicCache()})
+    assert scope.mask is not None and scope.mask.shape == (2, 7)
+    scope.reset()
+    for kv in (None, torch.zeros(2, 6)):
+        with pytest.raises(ValueError, match=r"shape \[2, 1\] \(the \[B, T\] of input_ids/inputs_embeds\), got \[2, 7\]"):
+            scope.start(None, (ids, mask), {"kv": kv})
+        scope.reset()
 
 
 def test_sites_that_capture_no_rows_warn_with_a_hint(monkeypatch):

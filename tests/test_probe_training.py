@@ -332,13 +332,23 @@ def test_warns_when_the_model_bypasses_the_attention_interface(monkeypatch):
     assert {r.site for r in records} == {"ffn"}
 
 
-def test_generation_with_kv_cache_counts_each_new_token_once():
-    model = build("llama")
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_generation_with_kv_cache_counts_each_new_token_once(family):
+    """``generate`` with a KV cache and the probe on: the same tokens and scores as without it, and
+    each token counted once (keys arrive with the whole cache; only the new ones count)."""
+    model = build(family)
     inputs = batch(B=2, T=6, pad="left")
+    # min_new_tokens: no sequence stops at an EOS, so every decode forward holds B new tokens
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
+              output_scores=True, return_dict_in_generate=True)
+    want = model.generate(**inputs, **kw)
     probe = fastspec.Probe(model, ffn_rows="all", emit_every=1)
     with probe.streaming():
-        model.generate(**inputs, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        got = model.generate(**inputs, **kw)
         records = probe.step(0)
-    # prefill: the valid prompt tokens; then 3 decode forwards of one token per sequence
-    # (keys arrive with the whole cache; only the new ones count)
-    assert {r.value for r in records if r.metric == "n"} == {inputs["attention_mask"].sum().item() + 2 * 3}
+    assert torch.equal(got.sequences, want.sequences) and got.sequences.shape == (2, 6 + 8)
+    assert all(torch.equal(g, w) for g, w in zip(got.scores, want.scores, strict=True))
+    # prefill: the valid prompt tokens; then 7 decode forwards of one token per sequence (the 8th
+    # token is sampled from the last forward's logits and never runs through the model)
+    assert {r.site for r in records if r.metric == "n"} == {"keys", "ffn"}  # Qwen3 adds γ records
+    assert {r.value for r in records if r.metric == "n"} == {inputs["attention_mask"].sum().item() + 2 * 7}

@@ -95,6 +95,18 @@ def _positional_index(fn, name: str) -> int | None:
     return None
 
 
+# What a model's forward calls its KV cache: ``past_key_values`` up to transformers 5.23 (and, as
+# a deprecated alias, after), ``cache`` from 5.24 on, ``past`` in GPT-2-era remote code.
+CACHE_ARGS = ("past_key_values", "cache", "past")
+
+
+def is_cache(value) -> bool:
+    """True for a transformers ``Cache`` object (any version, any name it was passed under),
+    duck-typed so that this module never imports transformers; a legacy tuple cache is found by
+    its argument name instead (:data:`CACHE_ARGS`)."""
+    return callable(getattr(value, "get_seq_length", None))
+
+
 def check_mask(mask, tokens: Tensor | None, cached: bool) -> None:
     """Raise unless ``mask`` fits the call's ``tokens`` (``input_ids [B, T]`` or ``inputs_embeds
     [B, T, d]``; None: only the mask's rank is checked): a 2-D ``[B, T]`` mask, ``[B, T' >= T]``
@@ -116,7 +128,7 @@ class ForwardScope:
 
     def __init__(self, model: nn.Module):
         self._pos = {name: _positional_index(model.forward, name)
-                     for name in ("attention_mask", "input_ids", "inputs_embeds", "past_key_values")}
+                     for name in ("attention_mask", "input_ids", "inputs_embeds", *CACHE_ARGS)}
         self.depth = 0
         self.mask: Tensor | None = None
         self._call: tuple = (None, False)  # compiled: the call's tokens and KV-cache flag, for check_mask
@@ -133,7 +145,7 @@ class ForwardScope:
         if self.depth == 0:
             mask, tokens = self._arg(args, kwargs, "attention_mask"), self._arg(args, kwargs, "input_ids")
             tokens = self._arg(args, kwargs, "inputs_embeds") if tokens is None else tokens
-            cached = self._arg(args, kwargs, "past_key_values") is not None
+            cached = self._cached(args, kwargs)
             if torch.compiler.is_compiling():
                 # kept as given, checked and converted where a capture uses it (mask_for): no tensor
                 # work here (a shape check is some), so a compiled model's top-level hooks add no
@@ -143,6 +155,15 @@ class ForwardScope:
                 check_mask(mask, tokens, cached)
                 self.mask = as_bool_mask(mask)
         self.depth += 1
+
+    def _cached(self, args: tuple, kwargs: dict) -> bool:
+        """Whether the call hands the model a KV cache (whose earlier tokens a longer mask covers):
+        an argument under one of the cache's names (:data:`CACHE_ARGS`), by keyword or by
+        position, or a ``Cache`` object under any other keyword. Transformers renamed the
+        argument (``past_key_values`` -> ``cache`` in 5.24, and ``generate`` passes whichever
+        the installed version takes), so the object decides, not one name."""
+        return (any(self._arg(args, kwargs, name) is not None for name in CACHE_ARGS)
+                or any(is_cache(v) for v in kwargs.values()))
 
     def _arg(self, args: tuple, kwargs: dict, name: str):
         """Argument ``name`` of the model call, by keyword or by position."""

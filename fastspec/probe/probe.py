@@ -315,7 +315,7 @@ class Probe:
     def _missing_hints(self) -> dict[str, str]:
         """Every requested site, with the likely reason why it would capture nothing."""
         attention = ("this model never called the Hugging Face attention interface (older transformers "
-                     "route some families, e.g. BERT before 4.50, around it). Upgrade transformers, or "
+                     "route some families around it, e.g. BERT before 5.0). Upgrade transformers, or "
                      "probe the projections with modules=ModuleSite(..., heads=H)")
         fam = self.family
         hints = {"keys": attention, "queries": attention,
