@@ -1,8 +1,8 @@
 """Intercept post-RoPE ``query_states``/``key_states`` of Hugging Face attention, unchanged.
 
-Every supported family (transformers ≥ 5.1, the floor fastspec requires) computes Q/K-norm and RoPE in the attention
-module, then calls an *attention function* ``f(module, query [B, Hq, T, D], key [B, Hkv, T, D],
-value, attention_mask, **kw)`` looked up at call time from
+Every supported family (transformers ≥ 5.1, the floor fastspec requires) computes Q/K-norm and
+RoPE in the attention module, then calls an *attention function* ``f(module, query [B, Hq, T, D],
+key [B, Hkv, T, D], value, attention_mask, **kw)`` looked up at call time from
 
 * ``transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``
   (sdpa, flash, flex, ...), or
