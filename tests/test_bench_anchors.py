@@ -456,6 +456,16 @@ def test_cupy_reasons(monkeypatch):
     assert anchors.make_cupy(CUDA) == "cupy not installed"
 
 
+def test_a_broken_install_says_why_it_cannot_be_imported():
+    broken = ImportError("libcudart.so.13: cannot open shared object file\nmore")
+    assert anchors._import_reason("cupy", broken) == (
+        "cupy not importable: ImportError: libcudart.so.13: cannot open shared object file")
+    missing = ModuleNotFoundError("No module named 'jax'", name="jax")
+    assert anchors._import_reason("jax", missing) == "jax not installed"
+    inner = ModuleNotFoundError("No module named 'jaxlib'", name="jaxlib")  # jax there, jaxlib not
+    assert anchors._import_reason("jax", inner) == "jax not importable: ModuleNotFoundError: No module named 'jaxlib'"
+
+
 def test_importing_anchors_imports_no_optional_dependency():
     code = ("import sys, fastspec.bench.anchors, fastspec.bench.cases_eigvalsh; "
             "print([m for m in ('jax', 'cupy') if m in sys.modules])")

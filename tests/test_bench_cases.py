@@ -109,3 +109,31 @@ def test_model_suites_skip_cleanly_without_transformers(monkeypatch):
     for suite in ("keyrank", "train_step", "train_step_compiled"):
         for case in cases(suite, "quick", CPU):
             assert case.skip and "transformers" in case.skip
+
+
+def test_covariance_cases_time_the_kernel_the_update_and_a_copy_of_the_same_bytes():
+    """Each covariance case has a copy of its input's bytes as a second baseline; the copy's rows
+    carry the bandwidth it measured (read + write) and fastspec's share of it. Under the Triton
+    interpreter (conftest sets it without CUDA) the update and the launch alone are measured too,
+    each accurate against fp64."""
+    import math
+
+    from fastspec.bench.cases_covariance import COPY, KERNEL
+    from fastspec.bench.runner import run_cases
+
+    selected = cases("covariance", "quick", CPU)
+    assert {c.variant for c in selected} == {"auto", "triton", KERNEL}
+    rows = run_cases(selected, CPU, warmup=0, repeats=1)
+    assert not [r for r in rows if "error" in r or "skipped" in r], rows
+    copies = [r for r in rows if r["baseline"] == COPY]
+    assert len(copies) == len(selected) == len(rows) - len(copies)
+    for r in copies:
+        shape = [int(p[1:]) for p in r["size"].split("-")[1:-1]]
+        nbytes = math.prod(shape) * (2 if r["size"].endswith(("bf16", "fp16")) else 4)
+        assert r["copy_GBps"] == pytest.approx(2 * nbytes / r["baseline_s"] / 1e9)
+        assert r["pct_of_copy_bandwidth"] == pytest.approx(100 * r["fastspec_rate"] / r["copy_GBps"])
+        assert r["baseline_error"] is None
+    for r in rows:
+        if r["baseline"] != COPY:
+            assert "pct_of_copy_bandwidth" not in r
+            assert r["fastspec_error"] <= 4 * r["baseline_error"] + 8 * 2.0**-24, r

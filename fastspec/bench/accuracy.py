@@ -13,7 +13,7 @@ then the max over the batch. ``ratio`` = fastspec error / torch fp32 error; the 
 from __future__ import annotations
 
 import math
-import time
+from collections.abc import Callable
 
 import torch
 
@@ -47,38 +47,60 @@ def _variants(device: torch.device) -> list[str]:
 
 
 def compare(tier: str, device: torch.device, families: list[str] | None = None, *,
-            deadline: float | None = None) -> list[dict]:
+            deadline: float | None = None,
+            on_rows: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """One row per (family, n, fastspec variant): errors vs fp64 and their ratio.
 
-    ``deadline`` (``time.monotonic()``): no new (family, n) starts after it; those left get a
-    row with ``skipped`` naming the time cap.
+    Time cap, as :func:`fastspec.bench.runner.run_cases`: no new (family, n) starts after
+    ``deadline`` (``time.monotonic()``), and a :class:`~fastspec.bench.runner.TimeCap` raised
+    during one (the CLI's SIGTERM handler) ends the run; the (family, n) not measured get rows
+    with ``skipped`` naming the cap. ``on_rows(rows so far)`` after each (family, n), to write
+    partial results.
     """
-    import fastspec
-
-    from .runner import CAP_REACHED
+    from .runner import CAP_DURING, CAP_REACHED, TimeCap, stop_requested
 
     sizes, batch = SIZES[tier]
-    rows = []
-    for fam in families or list(FAMILIES):
+    for fam in families or ():
         if fam not in FAMILIES:
             raise ValueError(f"families: unknown family {fam!r}; expected some of {list(FAMILIES)}")
-        for n in sizes:
-            if deadline is not None and time.monotonic() > deadline:
-                rows.append({"family": fam, "n": n, "batch": batch, "skipped": CAP_REACHED})
-                continue
-            A = torch.from_numpy(make_batch(fam, n, batch)).to(torch.float32).to(device)
-            ref = torch.linalg.eigvalsh(A.double())
-            torch_err = max_rel_err(torch.linalg.eigvalsh(A), ref)
-            for variant in _variants(device):
-                head = {"family": fam, "n": n, "batch": batch, "variant": variant}
-                try:
-                    err = max_rel_err(fastspec.eigvalsh(A, backend=variant), ref)
-                except Exception as e:  # noqa: BLE001 - reported in the row, the CLI exits non-zero
-                    rows.append({**head, "error": f"{type(e).__name__}: {e}"})
-                    continue
-                ok = within_bound(err, torch_err)
-                rows.append({**head, "fastspec_error": err if math.isfinite(err) else None,
-                             "torch_fp32_error": torch_err if math.isfinite(torch_err) else None,
-                             "ratio": err / torch_err if torch_err > 0 and math.isfinite(err) else None,
-                             "within_2x_torch": ok})
+    todo = [(fam, n) for fam in families or list(FAMILIES) for n in sizes]
+    rows: list[dict] = []
+    done = 0
+    try:
+        for fam, n in todo:
+            if stop_requested(deadline):
+                break
+            rows += _compare_one(fam, n, batch, device)
+            done += 1
+            if on_rows is not None:
+                on_rows(rows)
+    except TimeCap:
+        rows.append({"family": todo[done][0], "n": todo[done][1], "batch": batch, "skipped": CAP_DURING})
+        done += 1
+    rows += [{"family": fam, "n": n, "batch": batch, "skipped": CAP_REACHED} for fam, n in todo[done:]]
+    if on_rows is not None:
+        on_rows(rows)
+    return rows
+
+
+def _compare_one(fam: str, n: int, batch: int, device: torch.device) -> list[dict]:
+    """The rows of one (family, n): every fastspec variant against torch fp32, vs fp64."""
+    import fastspec
+
+    rows = []
+    A = torch.from_numpy(make_batch(fam, n, batch)).to(torch.float32).to(device)
+    ref = torch.linalg.eigvalsh(A.double())
+    torch_err = max_rel_err(torch.linalg.eigvalsh(A), ref)
+    for variant in _variants(device):
+        head = {"family": fam, "n": n, "batch": batch, "variant": variant}
+        try:
+            err = max_rel_err(fastspec.eigvalsh(A, backend=variant), ref)
+        except Exception as e:  # noqa: BLE001 - reported in the row, the CLI exits non-zero
+            rows.append({**head, "error": f"{type(e).__name__}: {e}"})
+            continue
+        ok = within_bound(err, torch_err)
+        rows.append({**head, "fastspec_error": err if math.isfinite(err) else None,
+                     "torch_fp32_error": torch_err if math.isfinite(torch_err) else None,
+                     "ratio": err / torch_err if torch_err > 0 and math.isfinite(err) else None,
+                     "within_2x_torch": ok})
     return rows

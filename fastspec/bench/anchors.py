@@ -14,7 +14,7 @@ row. Nothing here imports jax or cupy until a ``make_*`` asks for it.
   cuda:0: ...".
 * :func:`make_jax`: ``jax.numpy.linalg.eigvalsh`` jitted, on the GPU for CUDA tensors (the
   jax-cuda13 plugin), on JAX's CPU backend for CPU tensors; the tensor goes in and out through
-  DLPack, without a copy. Reasons: "jax not installed", "jax has no CUDA backend (...)", "jax
+  DLPack, without a copy. Reasons: "jax not installed" (or "jax not importable: <why>"), "jax has no CUDA backend (...)", "jax
   sees no CUDA device 1 (...)", "jax eigvalsh failed on cuda:0: ...".
 * :func:`make_cupy`: ``cupy.linalg.eigvalsh`` (``syevjBatched`` for a batch), CUDA only, run on
   torch's current stream. Reasons: "needs a CUDA device", "cupy not installed", "cupy eigvalsh
@@ -460,6 +460,13 @@ class JaxEigvalsh:
         return torch.from_dlpack(w)
 
 
+def _import_reason(name: str, e: ImportError) -> str:
+    """Why an anchor's package cannot be used: absent, or present but broken (its own message)."""
+    if isinstance(e, ModuleNotFoundError) and e.name == name:
+        return f"{name} not installed"
+    return f"{name} not importable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
 def make_jax(device: torch.device) -> Anchor:
     """``jax.numpy.linalg.eigvalsh`` for tensors on ``device`` (CUDA or CPU), or why not."""
     device = torch.device(device)
@@ -473,8 +480,8 @@ def make_jax(device: torch.device) -> Anchor:
         import jax
         import jax.dlpack  # jax.dlpack.from_dlpack below: a submodule, not always imported by jax
         import jax.numpy as jnp
-    except ImportError:
-        return "jax not installed"
+    except ImportError as e:
+        return _import_reason("jax", e)
     kind = "cuda" if device.type == "cuda" else "cpu"
     if kind == "cuda" and not torch.cuda.is_available():
         return "CUDA is not available to torch"
@@ -518,8 +525,8 @@ def make_cupy(device: torch.device) -> Anchor:
         return "needs a CUDA device"
     try:
         import cupy
-    except ImportError:
-        return "cupy not installed"
+    except ImportError as e:
+        return _import_reason("cupy", e)
     if not torch.cuda.is_available():
         return "CUDA is not available to torch"
     index = device.index if device.index is not None else torch.cuda.current_device()

@@ -24,6 +24,9 @@ from typing import Any, ContextManager
 import torch
 
 TIERS = ("quick", "cpu", "gpu")
+HEADLINE = "headline"
+"""Tag of the cases ``benchmarks/gpu_run.py`` measures in the first minutes of a GPU window
+(``fastspec bench --filter headline``; the rest: ``--exclude headline``)."""
 
 Inputs = dict[str, Any]
 
@@ -52,6 +55,10 @@ class Case:
             ``overhead_pct = (fastspec_s / baseline_s − 1)·100``.
         teardown: called with the inputs once the case is done (e.g. detach a probe that
             stayed attached for a compiled model), or None.
+        tags: words ``--filter``/``--exclude`` also match (:func:`fastspec.bench.cli.select`);
+            :data:`HEADLINE` marks the cases the GPU kit measures first.
+        row_extra: ``row -> {field: value}`` added to each timed row (e.g. a bandwidth share
+            derived from a reference copy's time), or None.
     """
 
     suite: str
@@ -70,6 +77,8 @@ class Case:
     baseline_scale: dict[str, float] = field(default_factory=dict)
     overhead: bool = False
     teardown: Callable[[Inputs], None] | None = None
+    tags: frozenset[str] = frozenset()
+    row_extra: Callable[[dict], dict] | None = None
 
     def close(self, inputs: Inputs | None) -> None:
         """Run :attr:`teardown` on ``inputs`` (nothing without either)."""

@@ -28,6 +28,9 @@ over positions. RoPE spreads a rank-r head over all D dimensions with a long tai
 values (the slow rotary pairs barely turn over T positions): the hard case for fp32 Gram sums,
 which cannot resolve singular values below ~3e-4·σ_max.
 
+The ``measure`` and ``train_step`` cases are tagged ``headline``: ``benchmarks/gpu_run.py``
+measures them in its first command.
+
 Shapes: ``cpu`` is a small Llama (d_model 512, 8 layers, 8 query and 8 KV heads of 128,
 d_ff 1536, vocab 8192, 4 × 256 tokens, fp32; rank: 8 layers × 8 heads × 4·2048 rows × 128);
 ``gpu`` the 1.5B shape of :data:`~fastspec.bench.models.MODEL_SHAPES` in bf16 with 4 × 2048
@@ -38,7 +41,7 @@ from __future__ import annotations
 import torch
 
 from . import models
-from .case import Case, Inputs
+from .case import HEADLINE, Case, Inputs
 
 PROBE_SHAPES: dict[str, dict[str, int]] = {
     "quick": models.MODEL_SHAPES["quick"],
@@ -64,14 +67,16 @@ EMIT_EVERY = 100
 
 def probe_cases(tier: str, device: torch.device) -> list[Case]:
     shape, tokens = PROBE_SHAPES[tier], PROBE_TOKENS[tier]
-    return [
+    headline = [  # the GPU kit's first numbers: what the probe adds to a forward and to a step
         _measure_case(tier, device, shape, tokens),
         models.train_step_case(tier, device, EMIT_EVERY, shape=shape, batch_shape=tokens, keys=True,
                                ffn=False, suite="probe", size_prefix="train_step-",
                                variant=f"keys-emit_every={EMIT_EVERY}"),
-        _rank_case(tier, device, RANK_SHAPES[tier]),
-        _rank_case(tier, device, RANK_SHAPES[tier], precision="fast"),
     ]
+    for case in headline:
+        case.tags = frozenset({HEADLINE})
+    return [*headline, _rank_case(tier, device, RANK_SHAPES[tier]),
+            _rank_case(tier, device, RANK_SHAPES[tier], precision="fast")]
 
 
 # --------------------------------------------------------------------------------------- measure

@@ -28,8 +28,6 @@ hands over to :mod:`fastspec.bench.cli_compare`, which imports nothing from here
 from __future__ import annotations
 
 import argparse
-import contextlib
-import signal
 import sys
 from pathlib import Path
 
@@ -41,11 +39,12 @@ from .cli_common import (
     deadline_of,
     print_header,
     resolve,
+    sigterm_as_time_cap,
     write_json,
 )
 
 # flags that only a timing run reads: refused with --accuracy or --table rather than ignored
-RUN_ONLY = {"suite": "--suite", "filter": "--filter", "warmup": "--warmup", "repeats": "--repeats",
+RUN_ONLY = {"suite": "--suite", "filter": "--filter", "exclude": "--exclude", "warmup": "--warmup", "repeats": "--repeats",
             "threads": "--threads", "wide": "--wide"}
 SHARED = {"quick": "--quick", "tier": "--tier", "device": "--device", "json": "--json",
           "time_limit": "--time-limit", "accuracy": "--accuracy"}
@@ -71,7 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wide", action="store_true",
                    help="print every field in one wide table (the README's layout) instead of one per suite")
     p.add_argument("--filter", action="append", metavar="TEXT",
-                   help="run only cases whose 'suite size variant' contains TEXT (repeatable: any)")
+                   help="run only cases whose 'suite size variant tags' contains TEXT (repeatable: any; "
+                        "the tag 'headline' marks the GPU kit's first numbers)")
+    p.add_argument("--exclude", action="append", metavar="TEXT",
+                   help="skip cases whose 'suite size variant tags' contains TEXT (repeatable)")
     add_time_limit(p)
     p.add_argument("--accuracy", action="store_true", help="run the accuracy comparison only (fastspec compare)")
     p.add_argument("--table", action="store_true",
@@ -97,30 +99,15 @@ def check_run_flags(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag}: expected an int >= {least}, got {value}")
 
 
-@contextlib.contextmanager
-def sigterm_as_time_cap():
-    """SIGTERM raises :class:`~fastspec.bench.runner.TimeCap` inside the block (main thread only)."""
-    from .runner import TimeCap
+def select(cases: list, filters: list[str] | None, excludes: list[str] | None = None) -> list:
+    """Cases whose ``'suite size variant tags'`` contains any of ``filters`` (all without
+    filters) and none of ``excludes``."""
+    def text(c) -> str:
+        return " ".join([c.suite, c.size, c.variant, *sorted(c.tags)])
 
-    def handler(signum, frame):
-        raise TimeCap("SIGTERM")
-
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread: no handler, the deadline still applies
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def select(cases: list, filters: list[str] | None) -> list:
-    """Cases whose ``'suite size variant'`` contains any of ``filters`` (all without filters)."""
-    if not filters:
-        return cases
-    return [c for c in cases if any(f in f"{c.suite} {c.size} {c.variant}" for f in filters)]
+    return [c for c in cases
+            if (not filters or any(f in text(c) for f in filters))
+            and not any(f in text(c) for f in excludes or ())]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -144,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     device, tier = resolve(args)
     deadline = deadline_of(args)
     from .cases import cases
-    from .runner import capped, report, run_cases
+    from .runner import TimeCap, capped, report, run_cases
     from .table import BENCH_COLUMNS, bench_cells, bench_text, render_text
 
     if args.threads is not None:
@@ -154,10 +141,12 @@ def run(args: argparse.Namespace) -> int:
     warmup = args.warmup if args.warmup is not None else (1 if tier == "quick" else 2)
     repeats = args.repeats if args.repeats is not None else (3 if tier == "quick" else 5)
     suites = dict.fromkeys(args.suite or SUITES)  # in order, each once
-    selected = select([c for s in suites for c in cases(s, tier, device)], args.filter)
+    selected = select([c for s in suites for c in cases(s, tier, device)], args.filter, args.exclude)
     if not selected:
-        raise ValueError(f"--filter: expected text that some case's 'suite size variant' contains, "
-                         f"got {', '.join(map(repr, args.filter))}")
+        flag = "--filter" if args.filter else "--exclude"
+        given = [*(args.filter or ()), *(args.exclude or ())]
+        raise ValueError(f"{flag}: expected text that leaves some case's 'suite size variant tags' "
+                         f"selected, got {', '.join(map(repr, given))}")
     doc = report("bench", tier, [])
     print_header(doc["environment"], tier, f" · median of {repeats} repeats after {warmup} warm-up")
 
@@ -166,16 +155,20 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             write_json(args.json, doc, quiet=True)
 
+    save([])  # a file from the start: killed in the first case, it still holds valid JSON
     with sigterm_as_time_cap():
         doc["results"] = run_cases(
             selected, device, warmup=warmup, repeats=repeats, deadline=deadline, on_rows=save,
             progress=lambda c: print(f"  {c.suite} {c.id} ...", file=sys.stderr, flush=True))
-    if args.wide:
-        print(render_text(BENCH_COLUMNS, [bench_cells(r) for r in doc["results"]]))
-    else:
-        print(bench_text(doc["results"]))
-    if args.json:
-        write_json(args.json, doc)
+        try:  # a SIGTERM now finds every row saved already: the tables are all it can cut short
+            if args.wide:
+                print(render_text(BENCH_COLUMNS, [bench_cells(r) for r in doc["results"]]))
+            else:
+                print(bench_text(doc["results"]))
+            if args.json:
+                write_json(args.json, doc)
+        except TimeCap:
+            pass
     if capped(doc["results"]):
         print("time cap reached: partial results (cases not measured are marked skipped)", file=sys.stderr)
     return 1 if any("error" in r for r in doc["results"]) else 0

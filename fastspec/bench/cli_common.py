@@ -15,8 +15,10 @@ anything is measured or written.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -103,6 +105,29 @@ def print_header(env: dict, tier: str, extra: str = "") -> None:
 
     print(f"# python {env['python']} · {env.get('cpu')} · {torch.get_num_threads()} torch threads · "
           f"sizes: {tier}{extra}")
+
+
+@contextlib.contextmanager
+def sigterm_as_time_cap():
+    """SIGTERM raises :class:`~fastspec.bench.runner.TimeCap` inside the block (main thread only)
+    and sets :data:`~fastspec.bench.runner.STOP`, which still ends the run at the next case if
+    Python drops the exception (raised inside a weakref callback or a destructor)."""
+    from .runner import STOP, TimeCap
+
+    def handler(signum, frame):
+        STOP.set()
+        raise TimeCap("SIGTERM")
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: no handler, the deadline still applies
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        STOP.clear()
 
 
 def write_json(path: Path, doc: dict, *, quiet: bool = False) -> None:

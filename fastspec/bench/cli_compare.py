@@ -8,6 +8,10 @@ errors (``≤ 2×``, ``≤ 2× + 8·eps`` when only the floor holds it, ``FAIL``
 ``PASS: ...`` or ``FAIL: ...`` (:func:`fastspec.bench.table.compare_verdict`), and the exit
 status is 1 on FAIL (a variant over the bound, or one that raised).
 
+Time cap, as ``fastspec bench``: with ``--time-limit`` no (family, n) starts after the limit,
+SIGTERM ends the one in flight, the rest get ``skipped`` rows, and ``--json`` is rewritten after
+every (family, n), so a kill keeps what finished.
+
     fastspec compare --quick --json compare.json
 """
 from __future__ import annotations
@@ -22,6 +26,7 @@ from .cli_common import (
     deadline_of,
     print_header,
     resolve,
+    sigterm_as_time_cap,
     write_json,
 )
 
@@ -57,15 +62,26 @@ def run(args: argparse.Namespace) -> int:
     device, tier = resolve(args)
     deadline = deadline_of(args)
     from .accuracy import compare
-    from .runner import report
+    from .runner import TimeCap, report
     from .table import COMPARE_COLUMNS, compare_cells, compare_verdict, render_text
 
     doc = report("compare", tier, [])
     print_header(doc["environment"], tier)
-    doc["results"] = compare(tier, device, families, deadline=deadline)
-    print(render_text(COMPARE_COLUMNS, [compare_cells(r) for r in doc["results"]], right=("ratio",)))
-    if args.json:
-        write_json(args.json, doc)
-    passed, line = compare_verdict(doc["results"])
-    print(line)
+
+    def save(rows: list[dict]) -> None:  # after every (family, n): a kill keeps what finished
+        doc["results"] = list(rows)
+        if args.json:
+            write_json(args.json, doc, quiet=True)
+
+    save([])
+    with sigterm_as_time_cap():
+        doc["results"] = compare(tier, device, families, deadline=deadline, on_rows=save)
+        passed, line = compare_verdict(doc["results"])
+        try:  # a SIGTERM now finds every row saved already: only the printing is cut short
+            print(render_text(COMPARE_COLUMNS, [compare_cells(r) for r in doc["results"]], right=("ratio",)))
+            if args.json:
+                write_json(args.json, doc)
+            print(line)
+        except TimeCap:
+            pass
     return 0 if passed else 1

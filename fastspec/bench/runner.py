@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import time
 from datetime import datetime, timezone
 from typing import Callable
@@ -41,6 +42,17 @@ class TimeCap(BaseException):
 
     A BaseException so that :func:`run_case`'s per-case ``except Exception`` does not report it
     as the case's error: :func:`run_cases` turns it into ``skipped`` rows and returns."""
+
+
+STOP = threading.Event()
+"""Set by the CLI's SIGTERM handler next to raising :class:`TimeCap`: Python drops an exception
+raised while it runs a weakref callback or a destructor ("Exception ignored in ..."), and then
+this flag still stops the run before its next case."""
+
+
+def stop_requested(deadline: float | None) -> bool:
+    """Whether a run must start nothing new: SIGTERM came (:data:`STOP`) or ``deadline`` passed."""
+    return STOP.is_set() or (deadline is not None and time.monotonic() > deadline)
 
 
 CAP_REACHED = "time cap reached before this case started"
@@ -88,6 +100,8 @@ def run_case(case: Case, device: torch.device, *, warmup: int = 2, repeats: int 
                 row.update(rate_unit=unit, fastspec_rate=fn(fast.median), baseline_rate=fn(base_s))
             if case.overhead:
                 row["overhead_pct"] = (fast.median / base_s - 1) * 100
+            if case.row_extra is not None:
+                row.update(case.row_extra(row))
             rows.append(row)
         for what, why in case.notes.items():
             rows.append({**head, "baseline": what, "skipped": why})
@@ -118,7 +132,7 @@ def run_cases(cases: list[Case], device: torch.device, *, warmup: int = 2, repea
     done = 0  # cases whose rows are in ``rows``
     try:
         for case in cases:
-            if deadline is not None and time.monotonic() > deadline:
+            if stop_requested(deadline):
                 break
             if progress is not None:
                 progress(case)
