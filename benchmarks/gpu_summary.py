@@ -1,15 +1,16 @@
-"""Last step of ``benchmarks/gpu_run.sh``: one ``bench.json`` and a summary that fits a terminal.
+"""Last step of each ``benchmarks/gpu_run.py`` command: one ``bench.json`` and a summary that fits a terminal.
 
-    python benchmarks/gpu_summary.py OUT_DIR [--tier quick] [--part all] [--dry-run 0] [--failed "a b"]
+    python benchmarks/gpu_summary.py OUT_DIR [--command N] [--dry-run 0] [--failed "a b"]
 
-* Merges ``OUT_DIR/bench-<suite>.json`` (one ``fastspec bench --json`` document per suite, each
-  written as its step ran) into ``OUT_DIR/bench.json``: the same schema as
+* Merges ``OUT_DIR/bench-<step>.json`` (one ``fastspec bench --json`` document per bench step,
+  each rewritten as its step ran) into ``OUT_DIR/bench.json``: the same schema as
   ``benchmarks/results/*.json`` (``schema``, ``kind``, ``tier``, ``date``, ``environment``,
-  ``results``) plus ``gpu_run`` (tier, part, dry run, failed steps, suites merged). The per-suite
-  files are removed once merged (only a few files come back from a GPU machine); a
-  ``bench.json`` already there (an earlier part of the same run) is merged too.
-* Prints one line per result row (times, speedup, throughput, errors, or why it was skipped),
-  the accuracy summary of ``compare.json`` and pytest's closing line from ``tests.txt``.
+  ``results``) plus ``gpu_run`` (command, dry run, failed steps, suites merged). The step files are
+  removed once merged (only a few files come back from a GPU machine); a ``bench.json`` already
+  there (another command's, copied in) is merged too, a case measured again replacing its rows.
+* Prints one line per result row (times, speedup, throughput or share of the copy's bandwidth,
+  errors, or why it was skipped), the accuracy summary of ``compare.json``, the tools' verdicts
+  from ``tools.txt`` and pytest's closing line from ``tests.txt``.
 """
 from __future__ import annotations
 
@@ -36,8 +37,11 @@ def _load(path: Path) -> dict | None:
 
 def merge(out: Path, meta: dict) -> dict | None:
     """``bench.json`` from the per-suite files (and an earlier ``bench.json``), or None if none."""
-    parts = sorted(out.glob("bench-*.json"), key=lambda p: (
-        SUITE_ORDER.index(p.stem[6:]) if p.stem[6:] in SUITE_ORDER else len(SUITE_ORDER), p.name))
+    def order(p: Path) -> tuple[int, str]:
+        suite = p.stem[6:].removesuffix("-headline")
+        return (SUITE_ORDER.index(suite) if suite in SUITE_ORDER else len(SUITE_ORDER), p.name)
+
+    parts = sorted(out.glob("bench-*.json"), key=order)
     docs = [(p, d) for p in parts if (d := _load(p)) is not None]
     merged_path = out / "bench.json"
     earlier = _load(merged_path) if merged_path.exists() else None
@@ -45,8 +49,9 @@ def merge(out: Path, meta: dict) -> dict | None:
         return None
     base = dict(earlier if earlier is not None else docs[0][1])
     suites_now = {r["suite"] for _, d in docs for r in d["results"]}
-    # rows of a suite measured again replace the earlier ones (a repeated part), others stay
-    results = [r for r in (earlier or {}).get("results", []) if r["suite"] not in suites_now]
+    cases_now = {case_key(r) for _, d in docs for r in d["results"]}
+    # rows of a case measured again replace the earlier ones (a repeated command), others stay
+    results = [r for r in (earlier or {}).get("results", []) if case_key(r) not in cases_now]
     for _, d in docs:
         results += d["results"]
     if docs:
@@ -65,6 +70,10 @@ def merge(out: Path, meta: dict) -> dict | None:
     return base
 
 
+def case_key(row: dict) -> tuple[str, str, str]:
+    return row["suite"], row["size"], row["variant"]
+
+
 def _e(x: float | None) -> str:
     return "-" if x is None else f"{x:.2g}"
 
@@ -81,6 +90,9 @@ def row_line(r: dict) -> str:
     line += f"  {r['speedup']:.2f}x"
     if "overhead_pct" in r:
         line += f"  overhead {overhead_text(r)}"  # "≈0 (±X%)" when within the repeats' spread
+    elif "pct_of_copy_bandwidth" in r:
+        line += (f"  {r['fastspec_rate']:.3g} {r['rate_unit']} read = {r['pct_of_copy_bandwidth']:.0f}% of "
+                 f"the copy's {r['copy_GBps']:.3g} GB/s")
     elif "rate_unit" in r:
         line += f"  {r['fastspec_rate']:.3g} vs {r['baseline_rate']:.3g} {r['rate_unit']}"
     line += f"  err {_e(r.get('fastspec_error'))} (baseline {_e(r.get('baseline_error'))})"
@@ -110,6 +122,10 @@ def summary(out: Path, bench: dict | None) -> list[str]:
         lines.append(f"compare: {ok}/{len(rows)} within 2x torch fp32 vs fp64"
                      + (f"; {len(doc['results']) - len(rows)} not run (time cap)" if len(rows) < len(doc["results"]) else "")
                      + (f"; NOT within: {', '.join(bad)}" if bad else ""))
+    tools = out / "tools.txt"
+    if tools.exists():  # each tool's verdict lines: "<tool> <mode> <targets>: ok|finding|skipped..."
+        lines += [ln for ln in tools.read_text(errors="replace").splitlines()
+                  if re.match(r"^(ncu|compute-sanitizer)\b[^:]*: (ok|finding|skipped|targets FAILED)", ln)]
     tests = out / "tests.txt"
     if tests.exists():  # pytest's closing line of each tests step
         lines += [f"tests: {ln.strip('= ')}" for ln in tests.read_text().splitlines() if PYTEST_CLOSING.match(ln)]
@@ -119,12 +135,11 @@ def summary(out: Path, bench: dict | None) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path)
-    p.add_argument("--tier", default="quick")
-    p.add_argument("--part", default="all")
+    p.add_argument("--command", default="")
     p.add_argument("--dry-run", default="0")
     p.add_argument("--failed", default="")
     args = p.parse_args(argv)
-    meta = {"kit": "benchmarks/gpu_run.sh", "tier": args.tier, "part": args.part,
+    meta = {"kit": "benchmarks/gpu_run.py", "command": args.command,
             "dry_run": args.dry_run == "1", "failed_steps": args.failed.split()}
     bench = merge(args.out, meta)
     print("\n".join(summary(args.out, bench)))

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.triton  # the GPU kit runs these on CUDA (benchmarks/gpu_run.py)
 
 import fastspec  # noqa: E402
 from fastspec.covariance import triton_update as tu  # noqa: E402

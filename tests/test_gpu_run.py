@@ -1,15 +1,16 @@
-"""The offline GPU kit: time caps that keep partial results, and ``gpu_run.sh --dry-run`` end to end.
+"""The offline GPU kit (``benchmarks/gpu_run.py``): a plan that fits its window, time caps that
+keep partial results, and the dry run of all three commands end to end.
 
-The dry run is the same script a GPU session runs (build, tests, every benchmark suite, the
-profiling targets), on CPU at tiny sizes with ``PIP_NO_INDEX=1``: if it breaks here, it would
-have broken in the rare, short GPU window.
+The dry run is the same plan a GPU session runs (build, every benchmark step, the GPU tests, the
+profilers' probes and targets, the summary), on CPU at tiny sizes with ``PIP_NO_INDEX=1``, the
+profilers broken and the optional anchors hidden: if it breaks here, it would have broken in the
+rare, short GPU window.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,8 +25,15 @@ from fastspec.bench.case import Case
 from fastspec.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "benchmarks" / "gpu_run.sh"
+KIT = REPO / "benchmarks"
 CPU = torch.device("cpu")
+sys.path.insert(0, str(KIT))
+try:
+    import gpu_run
+    import gpu_summary
+    import gpu_tools
+finally:
+    sys.path.remove(str(KIT))
 
 
 def _strict_json(path: Path) -> dict:
@@ -58,6 +66,58 @@ def test_deadline_stops_new_cases_and_shortens_the_timing_loop():
 def test_without_a_deadline_nothing_is_capped():
     rows = runner.run_cases([_case("a"), _case("b")], CPU, warmup=0, repeats=3)
     assert [r["repeats"] for r in rows] == [3, 3] and not runner.capped(rows)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped TimeCap
+def test_a_sigterm_whose_exception_python_drops_still_stops_the_run(tmp_path, monkeypatch):
+    """Python ignores an exception raised in a weakref callback ("Exception ignored in ..."): the
+    handler's flag must still stop the run before the next case."""
+    import weakref
+
+    import fastspec.bench.cases as cases_mod
+
+    class Thing:
+        pass
+
+    sent = []
+
+    def sigterm_inside_a_weakref_callback():
+        if sent:
+            return
+        sent.append(1)
+        obj = Thing()
+        ref = weakref.ref(obj, lambda r: os.kill(os.getpid(), signal.SIGTERM) or time.sleep(0.5))
+        del obj  # the callback runs, the signal arrives in it, its TimeCap is printed and dropped
+        assert ref() is None
+
+    fake = [_case("dropped", sigterm_inside_a_weakref_callback), _case("not-started")]
+    monkeypatch.setattr(cases_mod, "cases", lambda suite, tier, device=None: fake)
+    path = tmp_path / "bench.json"
+    assert main(["bench", "--quick", "--suite", "eigvalsh", "--json", str(path)]) == 0
+    rows = _strict_json(path)["results"]
+    assert [r["size"] for r in rows] == ["dropped", "not-started"]
+    assert rows[1]["skipped"] == runner.CAP_REACHED
+    assert not runner.STOP.is_set()  # cleared with the handler
+
+
+def test_compare_killed_by_sigterm_keeps_the_finished_rows(tmp_path, monkeypatch):
+    from fastspec.bench import accuracy
+
+    real, calls = accuracy._compare_one, []
+
+    def one(fam, n, batch, device):
+        calls.append((fam, n))
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
+        return real(fam, n, batch, device)
+
+    monkeypatch.setattr(accuracy, "_compare_one", one)
+    path = tmp_path / "compare.json"
+    assert main(["compare", "--quick", "--family", "wishart", "--json", str(path)]) == 0
+    rows = _strict_json(path)["results"]
+    assert len(calls) == 2 and "within_2x_torch" in rows[0] and rows[0]["n"] == calls[0][1]
+    assert [r.get("skipped") for r in rows if "within_2x_torch" not in r] == [runner.CAP_DURING]
 
 
 def test_sigterm_mid_case_writes_partial_results_and_exits_0(tmp_path, monkeypatch):
@@ -99,19 +159,24 @@ def test_compare_time_limit_keeps_what_ran(tmp_path):
 @pytest.mark.parametrize("argv, match", [
     (["bench", "--quick", "--time-limit", "0"], "--time-limit"),
     (["bench", "--quick", "--suite", "eigvalsh", "--filter", "no-such-case"], "--filter"),
+    (["bench", "--quick", "--suite", "eigvalsh", "--exclude", "eigvalsh"], "--exclude"),
 ])
 def test_bad_cap_flags_name_the_flag(argv, match, capsys):
     assert main(argv) == 2  # a one-line error, no traceback
     assert capsys.readouterr().err.startswith(f"fastspec bench: error: {match}")
 
 
-def test_filter_selects_cases_by_suite_size_variant():
+def test_filter_and_exclude_select_cases_by_suite_size_variant_tags():
     from fastspec.bench.cli import select
 
     cs = [_case("B16-n32-fp32"), _case("B4-n64-fp32"), _case("B4-n64-fp64")]
+    cs[2].tags = frozenset({"headline"})
     assert [c.size for c in select(cs, ["n64-fp32"])] == ["B4-n64-fp32"]
     assert [c.size for c in select(cs, ["fp64", "B16"])] == ["B16-n32-fp32", "B4-n64-fp64"]
     assert select(cs, None) == cs
+    assert [c.size for c in select(cs, ["headline"])] == ["B4-n64-fp64"]
+    assert [c.size for c in select(cs, None, ["headline"])] == ["B16-n32-fp32", "B4-n64-fp32"]
+    assert [c.size for c in select(cs, ["B4"], ["headline"])] == ["B4-n64-fp32"]
 
 
 def test_baseline_timed_on_a_slice_is_scaled_to_the_whole_batch():
@@ -124,36 +189,40 @@ def test_baseline_timed_on_a_slice_is_scaled_to_the_whole_batch():
 
 
 # --------------------------------------------------------------------------------- the summary
-def test_summary_merges_suites_into_one_results_document(tmp_path):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import gpu_summary
-    finally:
-        sys.path.pop(0)
+def test_summary_merges_the_steps_into_one_results_document(tmp_path):
     env = {"device": "cpu", "driver": None, "cuda": None, "torch": "x", "triton": None, "fastspec": "0"}
 
     def doc(rows):
         return {"schema": 1, "kind": "bench", "tier": "quick", "date": "2026-01-01T00:00:00Z",
                 "torch_threads": 1, "environment": env, "results": rows}
 
-    row = lambda suite, size: {"suite": suite, "size": size, "variant": "auto", "skipped": "why"}  # noqa: E731
-    (tmp_path / "bench.json").write_text(json.dumps(doc([row("keyrank", "old"), row("eigvalsh", "old")])))
-    (tmp_path / "bench-eigvalsh.json").write_text(json.dumps(doc([row("eigvalsh", "new")])))
-    (tmp_path / "bench-covariance.json").write_text(json.dumps(doc([row("covariance", "new")])))
-    merged = gpu_summary.merge(tmp_path, {"tier": "full", "part": "2"})
-    assert [(r["suite"], r["size"]) for r in merged["results"]] == [
-        ("keyrank", "old"), ("eigvalsh", "new"), ("covariance", "new")]  # eigvalsh measured again
+    def row(suite, size, why="why"):
+        return {"suite": suite, "size": size, "variant": "auto", "skipped": why}
+
+    # another command's bench.json copied in: its eigvalsh B1 case is measured again below
+    (tmp_path / "bench.json").write_text(json.dumps(doc([row("keyrank", "K"), row("eigvalsh", "B1", "old"),
+                                                         row("eigvalsh", "B2")])))
+    (tmp_path / "bench-covariance.json").write_text(json.dumps(doc([row("covariance", "C")])))
+    (tmp_path / "bench-eigvalsh-headline.json").write_text(json.dumps(doc([row("eigvalsh", "B1", "new")])))
+    merged = gpu_summary.merge(tmp_path, {"command": "2"})
+    assert [(r["suite"], r["size"], r["skipped"]) for r in merged["results"]] == [
+        ("keyrank", "K", "why"), ("eigvalsh", "B2", "why"), ("eigvalsh", "B1", "new"), ("covariance", "C", "why")]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]
     assert _strict_json(tmp_path / "bench.json") == merged
-    assert merged["gpu_run"]["runs"][-1]["suites"] == ["covariance", "eigvalsh"]
+    assert merged["gpu_run"]["runs"][-1] == {"command": "2", "suites": ["covariance", "eigvalsh"]}
+
+
+def test_summary_line_of_a_copy_row_gives_the_share_of_the_copy_bandwidth():
+    from fastspec.bench.cases_covariance import COPY
+
+    row = {"suite": "covariance", "size": "keys", "variant": "triton-kernel", "baseline": COPY,
+           "fastspec_s": 2e-5, "baseline_s": 1e-5, "speedup": 0.5, "rate_unit": "GB/s",
+           "fastspec_rate": 1000.0, "baseline_rate": 2000.0, "copy_GBps": 4000.0,
+           "pct_of_copy_bandwidth": 25.0, "fastspec_error": 1e-7, "baseline_error": None}
+    assert "1e+03 GB/s read = 25% of the copy's 4e+03 GB/s" in gpu_summary.row_line(row)
 
 
 def test_summary_line_of_a_compiled_row_says_what_compiling_cost():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import gpu_summary
-    finally:
-        sys.path.pop(0)
     row = {"suite": "train_step_compiled", "size": "L32", "variant": "inductor-emit_every=100",
            "baseline": "compiled training step without probe", "fastspec_s": 0.505, "baseline_s": 0.5,
            "speedup": 0.5 / 0.505, "overhead_pct": 1.0, "fastspec_error": 0.0, "baseline_error": None,
@@ -165,79 +234,288 @@ def test_summary_line_of_a_compiled_row_says_what_compiling_cost():
     assert gpu_summary.SUITE_ORDER[-1] == "train_step_compiled"
 
 
-# ------------------------------------------------------------------------------ the script itself
-def test_every_suite_runs_in_some_full_part():
-    text = SCRIPT.read_text()
-    parts = dict(re.findall(r"^\s*full/(\d)\)(.*?);;", text, re.MULTILINE | re.DOTALL))
-    assert sorted(parts) == ["1", "2", "3", "4"]
-    from fastspec.bench.cases import SUITES
 
+
+# ------------------------------------------------------------------------------------- the plan
+def test_the_plan_fits_its_window_and_prints_its_time_table(capsys):
+    worst = gpu_run.worst_cases()
+    assert sorted(worst) == [1, 2, 3] and gpu_run.problems() == []
+    assert all(w <= gpu_run.COMMAND_LIMIT == 480 for w in worst.values()), worst
+    assert sum(worst.values()) <= gpu_run.PLAN_LIMIT == 1500
+    assert gpu_run.main(["--plan"]) == 0
+    out = capsys.readouterr().out
+    for c, steps in gpu_run.PLAN.items():
+        for s in steps:  # every step's row: command, name, cap, grace, kill, worst
+            assert re.search(rf"^\s*{c}\s+{re.escape(s.name)}\s+{s.cap}\s+{s.grace}\s+{gpu_run.KILL}\s+{s.worst}\s",
+                             out, re.MULTILINE), (c, s.name)
+    assert f"plan worst case: {sum(worst.values())} s" in out
+
+
+def test_the_readme_states_the_plan_the_code_runs():
+    text = " ".join((KIT / "README.md").read_text().split())
+    for c, steps in gpu_run.PLAN.items():
+        row = ", ".join(("`*` " if s.headline else "") + s.name.removeprefix("bench-").replace("-", " ")
+                        + f" {s.cap}" for s in steps)
+        assert f"| {c} | {row} |" in text, row
+    w = gpu_run.worst_cases()
+    assert (f"the worst cases are {w[1]}, {w[2]} and {w[3]} s, {sum(w.values())} s "
+            f"({sum(w.values()) / 60:.1f} minutes) in all") in text
+
+
+def test_a_plan_over_its_limits_is_refused():
+    plan = dict(gpu_run.PLAN)
+    plan[2] = plan[2] + (gpu_run.Step("more", "bench", 200, suite="eigvalsh"),)
+    bad = gpu_run.problems(plan)
+    assert any(b.startswith("command 2: worst case") for b in bad) and any(b.startswith("plan:") for b in bad)
+    late = dict(gpu_run.PLAN)
+    late[1] = (gpu_run.Step("slow", "build", 400),) + late[1]
+    assert any("headline step" in b for b in gpu_run.problems(late))
+
+
+def test_the_headline_numbers_come_first_and_the_tools_once():
+    first = gpu_run.PLAN[1]
+    kinds = [s.kind for s in first]
+    assert kinds[:2] == ["build", "env"] and kinds[-1] == "summary"
+    heads = [s for s in first if s.headline]
+    assert [(s.suite, s.select) for s in heads] == [("eigvalsh", gpu_run.HEAD), ("covariance", gpu_run.HEAD),
+                                                    ("probe", gpu_run.HEAD)]
+    assert first.index(heads[-1]) + 1 == kinds.index("tests")  # tests only after the numbers
+    every = [s.kind for steps in gpu_run.PLAN.values() for s in steps]
+    assert every.count("ncu") == every.count("sanitize") == every.count("tests") == every.count("compare") == 1
+    assert "ncu" not in kinds and "sanitize" not in kinds  # not in the command that gives the numbers
+    names = [s.name for steps in gpu_run.PLAN.values() for s in steps if s.kind == "bench"]
+    assert len(names) == len(set(names))  # one JSON file per bench step
+
+
+@pytest.mark.parametrize("tier", ["quick", "gpu"], ids=["tier=quick", "tier=gpu"])  # not the gpu mark
+def test_every_case_is_measured_exactly_once_by_the_plan(tier):
+    """The bench steps' selections partition every suite's cases (gpu: the real run; quick: the
+    dry run, which must select the same way)."""
+    from fastspec.bench.cases import SUITES, cases
+    from fastspec.bench.cli import select
+
+    steps = [s for steps in gpu_run.PLAN.values() for s in steps if s.kind == "bench"]
+    assert {s.suite for s in steps} == set(SUITES)
     for suite in SUITES:
-        assert any(re.search(rf"\bbench {suite} \d+", body) for body in parts.values()), suite
-    assert "--part: expected 1, 2, 3 or 4" in text
-
-
-def test_script_has_no_network_step():
-    text = SCRIPT.read_text()
-    code = "\n".join(ln.split("#")[0] for ln in text.splitlines())  # comments may name pip
-    for word in ("pip ", "pip3", "curl", "wget", "git clone", "http://", "https://", "huggingface-cli"):
-        assert word not in code, f"gpu_run.sh must stay offline: found {word!r}"
+        all_cases = cases(suite, tier, CPU)
+        counts = {c: 0 for c in map(id, all_cases)}
+        for s in (s for s in steps if s.suite == suite):
+            flag, *text = s.select or (None,)
+            chosen = select(all_cases, text if flag == "--filter" else None, text if flag == "--exclude" else None)
+            assert chosen, (suite, s.name)
+            for c in chosen:
+                counts[id(c)] += 1
+        assert set(counts.values()) == {1}, suite
+    heads = [c for c in cases("eigvalsh", tier, CPU) if "headline" in c.tags]
+    expect = {"gpu": {"B4096-n128-fp32", "B256-n128-fp64"}, "quick": {"B16-n32-fp32", "B8-n32-fp64"}}[tier]
+    assert {c.size for c in heads} == expect
+    assert {c.size.split("-")[0] for c in cases("covariance", tier, CPU) if "headline" in c.tags} == {"keys"}
+    assert [c.size.split("-")[0] for c in cases("probe", tier, CPU) if "headline" in c.tags] == ["measure", "train_step"]
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--tier", "huge", "OUT"], "--tier"),
-    (["--part", "2", "OUT"], "--part goes with --tier full"),
-    (["--tier", "full", "--part", "5", "OUT"], "--part: expected 1, 2, 3 or 4"),
-    (["--cap", "tests", "OUT"], "--cap"),
-    ([], "OUT_DIR is required"),
+    (["4", "OUT"], "invalid choice"),
+    (["1"], "COMMAND (1, 2 or 3) and OUT are required"),
+    (["--cap", "tests", "1", "OUT"], "--cap: expected STEP=SECONDS"),
+    (["--cap", "nosuch=5", "1", "OUT"], "--cap: expected STEP=SECONDS"),
+    (["--cap", "tests=900", "1", "OUT"], "--cap: command 1: worst case"),
 ])
-def test_script_rejects_bad_arguments(args, message):
-    proc = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and message in proc.stderr
+def test_bad_arguments_are_refused_in_one_line(args, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        gpu_run.main(args)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "OUT").exists()  # refused before anything is written
 
 
-@pytest.mark.skipif(shutil.which("timeout") is None or shutil.which("tar") is None,
-                    reason="needs coreutils timeout and tar")
-def test_dry_run_end_to_end_offline(tmp_path):
-    """The acceptance check: the whole kit on CPU, no package index, valid JSON, a capped step."""
-    out = tmp_path / "out"
-    env = {**os.environ, "PIP_NO_INDEX": "1", "PYTHON": sys.executable, "TMPDIR": str(tmp_path)}
-    # the tests step gets 1 s: pytest cannot even import torch in that time, so `timeout` stops
-    # it; the run must record that as capped, go on, and still exit 0
-    proc = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--cap", "tests=1", str(out)],
-                          capture_output=True, text=True, env=env, timeout=900)
-    log = (out / "gpu_run.log").read_text() if (out / "gpu_run.log").exists() else ""
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:] + log[-2000:]
-    files = sorted(p.name for p in out.iterdir())
-    assert all(p.is_file() for p in out.iterdir()) and len(files) <= 8, files  # few flat files
-    assert {"gpu_run.log", "bench.json", "steps.txt"} <= set(files), files
-    assert "step tests: capped" in log and "step build: ok" in log
-    for suite in ("bench-eigvalsh", "bench-covariance", "bench-keyrank", "bench-train_step"):
-        assert f"step {suite}: ok" in log or f"step {suite}: capped" in log, log
-    doc = _strict_json(out / "bench.json")
-    assert doc["schema"] == runner.SCHEMA and doc["kind"] == "bench" and doc["tier"] == "quick"
-    assert {"fastspec", "torch", "triton", "device", "driver", "cuda"} <= set(doc["environment"])
-    assert {r["suite"] for r in doc["results"]} == {"eigvalsh", "covariance", "keyrank", "train_step"}
-    assert not [r for r in doc["results"] if "error" in r]
-    assert any("fastspec_s" in r for r in doc["results"])
-    assert doc["gpu_run"]["runs"][-1]["dry_run"] is True
-    assert "eig:" in (out / "ncu.txt").read_text() and "cov:" in (out / "ncu.txt").read_text()
-    assert "===== summary" in proc.stdout
+def test_the_kit_stays_offline():
+    for path in (KIT / "gpu_run.py", KIT / "gpu_tools.py", KIT / "gpu_summary.py"):
+        code = "\n".join(ln.split("#")[0] for ln in path.read_text().splitlines())
+        for word in ("pip install", "pip3", "curl", "wget", "git clone", "http://", "https://",
+                     "huggingface-cli", "from_pretrained"):
+            assert word not in code, f"{path.name} must stay offline: found {word!r}"
 
 
-@pytest.mark.skipif(shutil.which("timeout") is None or shutil.which("tar") is None,
-                    reason="needs coreutils timeout and tar")
-def test_dry_run_of_the_compiled_training_step_part(tmp_path):
-    """Full tier, part 4 (the compiled training step alone), rehearsed on CPU: it compiles with
-    the probe attached, measures, and reports no graph break and no recompile."""
-    out = tmp_path / "out"
-    env = {**os.environ, "PIP_NO_INDEX": "1", "PYTHON": sys.executable, "TMPDIR": str(tmp_path)}
-    proc = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--tier", "full", "--part", "4", str(out)],
-                          capture_output=True, text=True, env=env, timeout=900)
-    log = (out / "gpu_run.log").read_text() if (out / "gpu_run.log").exists() else ""
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:] + log[-2000:]
-    assert "step bench-train_step_compiled: ok" in log, log
-    rows = [r for r in _strict_json(out / "bench.json")["results"] if r["suite"] == "train_step_compiled"]
-    measured = [r for r in rows if "fastspec_s" in r]
-    assert measured and not [r for r in rows if "error" in r]
-    assert all(r["recompiles"] == 0 and r["graph_breaks"] == 0 and r["fastspec_error"] == 0 for r in measured)
+def test_a_step_past_its_cap_is_stopped_and_recorded_as_capped(tmp_path, monkeypatch):
+    run = gpu_run.Run(1, tmp_path, tmp_path / "work", True, {})
+    run.src.mkdir(parents=True)
+    # it ignores the polite signal: SIGKILL must end it
+    code = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('started', flush=True); time.sleep(60)"
+    sleeper = [sys.executable, "-c", code]
+    monkeypatch.setattr(run, "argv", lambda step: sleeper)
+    monkeypatch.setattr(gpu_run, "KILL", 1)
+    t0 = time.monotonic()
+    status = run.run(gpu_run.Step("stuck", "bench", 1, 1))
+    assert time.monotonic() - t0 < 15
+    assert status.startswith("capped after") and "partial results kept" in status
+    assert run.failed == []
+    assert "step stuck: capped" in (tmp_path / "gpu_run.log").read_text()
+    assert "started" in (tmp_path / "steps.txt").read_text()
+    monkeypatch.setattr(run, "argv", lambda step: [sys.executable, "-c", "raise SystemExit(3)"])
+    assert run.run(gpu_run.Step("broken", "bench", 5)).startswith("FAILED rc 3")
+    assert run.failed == ["broken"]
+
+
+# ------------------------------------------------------------------------------------ the tools
+@pytest.mark.parametrize("tool, rc, output, expected", [
+    ("compute-sanitizer", 0, "========= ERROR SUMMARY: 0 errors", "ok"),
+    ("compute-sanitizer", gpu_tools.SANITIZER_FINDING, "========= Invalid __global__ read of size 4", "finding"),
+    ("compute-sanitizer", 255, "========= Error: Device not supported", "skipped"),
+    ("ncu", 1, "==ERROR== Failed to initialize the profiler: LibraryNotLoaded", "skipped"),
+    ("ncu", None, "", "skipped"),
+    ("ncu", 1, "Traceback ...\nAssertionError: eigvalsh returned non-finite values", "finding"),
+])
+def test_a_tool_run_is_ok_a_finding_or_skipped(tool, rc, output, expected):
+    state, detail = gpu_tools.classify(tool, rc, output)
+    assert state == expected
+    if expected != "ok":
+        assert detail and "\n" not in detail
+
+
+def test_a_probe_must_show_the_tool_working():
+    assert gpu_tools.probe_ok("ncu", 0, "  gpu__time_duration.sum   usecond   2.05")
+    assert not gpu_tools.probe_ok("ncu", 0, "==PROF== No kernels were profiled.")
+    assert gpu_tools.probe_ok("compute-sanitizer", 0, "========= ERROR SUMMARY: 0 errors")
+    assert not gpu_tools.probe_ok("compute-sanitizer", 1, "========= ERROR SUMMARY: 0 errors")
+
+
+@pytest.mark.parametrize("command", ["ncu", "sanitize"])
+def test_a_missing_tool_is_skipped_and_its_targets_still_rehearsed(command, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing on it: the tool is missing
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert gpu_tools.main([command, "--dry-run", "--time-limit", "120"]) == 0
+    out = capsys.readouterr().out
+    tool = {"ncu": "ncu", "sanitize": "compute-sanitizer"}[command]
+    assert f"{tool}: skipped: {tool} not found on PATH" in out
+    assert "eig: 8 × 32×32 fp32, backend=host: ok" in out and "raw Gram: ok" in out
+
+
+def _fake_tool(folder: Path, name: str, probe: str, target: str, target_rc: int) -> None:
+    """A stand-in for a profiler: the probe (a ``python -c`` program) prints ``probe`` and exits
+    0; a run on the kit's targets prints ``target`` and exits ``target_rc``."""
+    folder.mkdir(exist_ok=True)
+    (folder / name).write_text(f"""#!/bin/sh
+case "$*" in *" -c "*) echo '{probe}'; exit 0 ;; esac
+echo '{target}'; exit {target_rc}
+""")
+    (folder / name).chmod(0o755)
+
+
+def test_a_sanitizer_finding_fails_the_step_and_a_working_profiler_passes(tmp_path, monkeypatch, capsys):
+    _fake_tool(tmp_path, "compute-sanitizer", "========= ERROR SUMMARY: 0 errors",
+               "========= Invalid __shared__ write of size 4 bytes", gpu_tools.SANITIZER_FINDING)
+    _fake_tool(tmp_path, "ncu", "    gpu__time_duration.sum   us   2.1", "  Duration  us  1234", 0)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert gpu_tools.main(["sanitize", "--time-limit", "60"]) == 1
+    out = capsys.readouterr().out
+    assert "compute-sanitizer memcheck eig+cov: finding: rc 86: ========= Invalid __shared__ write" in out
+    assert "compute-sanitizer racecheck eig+cov: finding" in out
+    assert gpu_tools.main(["ncu", "--time-limit", "60"]) == 0
+    out = capsys.readouterr().out
+    assert "ncu full eig: ok" in out and "ncu full cov: ok" in out and "skipped" not in out
+
+
+def test_a_tool_run_past_its_timeout_is_killed_with_what_it_started():
+    t0 = time.monotonic()
+    rc, out = gpu_tools._run(["sh", "-c", "echo started; sleep 30 & sleep 30"], 1)
+    assert rc is None and out == "started\n" and time.monotonic() - t0 < 10
+    assert gpu_tools._run(["no-such-tool-here"], 1)[0] == 127
+
+
+# ------------------------------------------------------------------------- the dry run, all of it
+def _hidden(tmp_path: Path) -> dict[str, str]:
+    """An environment with the profilers broken as on a gVisor machine, and CuPy and JAX hidden."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    for tool, message, rc in (("ncu", "==ERROR== Failed to initialize the profiler: LibraryNotLoaded", 1),
+                              ("compute-sanitizer", "========= Error: Device not supported", 255)):
+        (bin_ / tool).write_text(f"#!/bin/sh\necho '{message}' >&2\nexit {rc}\n")
+        (bin_ / tool).chmod(0o755)
+    hide = tmp_path / "hide"
+    for package in ("cupy", "jax"):
+        (hide / package).mkdir(parents=True)
+        (hide / package / "__init__.py").write_text(f"raise ImportError('{package} hidden by tests/test_gpu_run.py')\n")
+    return {**os.environ, "PIP_NO_INDEX": "1", "TMPDIR": str(tmp_path),
+            "PATH": f"{bin_}{os.pathsep}{os.environ['PATH']}",
+            "PYTHONPATH": os.pathsep.join([str(hide), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
+def test_dry_run_of_the_whole_plan_offline_with_tools_and_anchors_missing(tmp_path):
+    """The acceptance check: the three commands, exactly as a GPU session runs them, on CPU."""
+    env = _hidden(tmp_path)
+    logs = {}
+    for command in (1, 2, 3):
+        out = tmp_path / f"out{command}"
+        proc = subprocess.run([sys.executable, str(KIT / "gpu_run.py"), "--dry-run", str(command), str(out)],
+                              capture_output=True, text=True, env=env, timeout=600, check=False)
+        log = (out / "gpu_run.log").read_text() if (out / "gpu_run.log").exists() else ""
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:] + log[-2000:]
+        files = sorted(p.name for p in out.iterdir())
+        assert all(p.is_file() for p in out.iterdir()) and len(files) <= 8, files  # few flat files
+        assert "===== summary" in proc.stdout and "===== summary" in log
+        logs[command] = log
+        doc = _strict_json(out / "bench.json")
+        assert doc["schema"] == runner.SCHEMA and doc["kind"] == "bench" and doc["tier"] == "quick"
+        assert {"fastspec", "torch", "triton", "device", "driver", "cuda"} <= set(doc["environment"])
+        assert not [r for r in doc["results"] if "error" in r], [r for r in doc["results"] if "error" in r]
+        assert any("fastspec_s" in r for r in doc["results"])
+        assert doc["gpu_run"]["runs"][-1]["dry_run"] is True
+        assert doc["gpu_run"]["runs"][-1]["command"] == str(command)
+        for step in gpu_run.PLAN[command]:
+            assert re.search(rf"step {re.escape(step.name)}: (ok|reused)", log), (command, step.name, log)
+        skipped = [r["skipped"] for r in doc["results"] if r.get("baseline") == "jax.numpy.linalg.eigvalsh"]
+        if command in (1, 2):
+            assert skipped and all(s.startswith("jax not importable: ImportError: jax hidden by tests/")
+                                   for s in skipped), skipped
+    assert "step build: ok" in logs[1]
+    assert "step build: reused" in logs[2] and "step build: reused" in logs[3]  # one build, three commands
+    tests = (tmp_path / "out1" / "tests.txt").read_text()
+    assert re.search(r"\d+ passed", tests) and "failed" not in tests  # the Triton tests, interpreted
+    tools = (tmp_path / "out3" / "tools.txt").read_text()
+    assert "ncu: skipped: probe failed: rc 1: ==ERROR== Failed to initialize the profiler: LibraryNotLoaded" in tools
+    assert "compute-sanitizer: skipped: probe failed: rc 255: ========= Error: Device not supported" in tools
+    assert tools.count("eig: 8 × 32×32 fp32, backend=host: ok") == 2  # the targets rehearsed without the tools
+    assert "ncu: skipped" in logs[3] and "compute-sanitizer: skipped" in logs[3]
+    compiled = [r for r in _strict_json(tmp_path / "out3" / "bench.json")["results"]
+                if r["suite"] == "train_step_compiled" and "fastspec_s" in r]
+    assert compiled and all(r["recompiles"] == 0 and r["graph_breaks"] == 0 and r["fastspec_error"] == 0
+                            for r in compiled)
+    comp = _strict_json(tmp_path / "out3" / "compare.json")
+    assert comp["results"] and all(r.get("within_2x_torch") for r in comp["results"])
+
+
+# ------------------------------------------------------------------------ SIGTERM keeps the JSON
+def _json_steps() -> list:
+    return [s for steps in gpu_run.PLAN.values() for s in steps if s.kind in ("bench", "compare")]
+
+
+@pytest.mark.parametrize("step", _json_steps(), ids=lambda s: s.name)
+def test_sigterm_to_any_step_leaves_valid_json_for_what_finished(step, tmp_path):
+    """Each step that writes JSON, started as the kit starts it (dry), is sent SIGTERM as soon as
+    one case has finished: its file is valid JSON holding that case, the rest marked skipped."""
+    run = gpu_run.Run(1, tmp_path, tmp_path, True, {})
+    argv = run.argv(step)
+    path = Path(argv[argv.index("--json") + 1])
+    env = {**run.env, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    rows = []
+    while time.monotonic() < deadline and proc.poll() is None:
+        if path.exists():
+            rows = [r for r in _strict_json(path)["results"] if "skipped" not in r]
+            if rows:
+                break
+        time.sleep(0.05)
+    if proc.poll() is not None:
+        pytest.fail(f"{step.name} ended before SIGTERM: {proc.stdout.read()[-2000:]}")
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    # a capped run is not a failure (compare's 1 would be its verdict: no row says error below);
+    # a SIGTERM that lands after the last case, once the handler is gone, ends it by the signal
+    allowed = {0, -signal.SIGTERM} | ({1} if step.kind == "compare" else set())
+    assert proc.returncode in allowed, out[-3000:]
+    doc = _strict_json(path)
+    finished = [r for r in doc["results"] if "skipped" not in r]
+    assert len(finished) >= len(rows) >= 1
+    assert not [r for r in doc["results"] if "error" in r], doc["results"]
+    assert not (tmp_path / (path.name + ".tmp")).exists()

@@ -111,7 +111,7 @@ def test_key_rank_matches_hand_protocol(family, pad):
     assert {r.step for r in records} == {7}
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.triton)])
 def test_fast_precision_sv_path_matches_hand_protocol(backend):
     if backend == "triton":
         pytest.importorskip("triton")

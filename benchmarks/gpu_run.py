@@ -1,0 +1,413 @@
+"""The offline GPU kit: fastspec measured on an H100/H200 in three capped commands, 25 minutes.
+
+    python3 benchmarks/gpu_run.py 1 OUT          # headline numbers (first 5 minutes), GPU tests
+    python3 benchmarks/gpu_run.py 2 OUT          # every other size, key rank, training steps
+    python3 benchmarks/gpu_run.py 3 OUT          # sanitizers, Nsight Compute, accuracy, compiled step
+    python3 benchmarks/gpu_run.py --plan         # the time table; exit 1 if the plan breaks a limit
+    python3 benchmarks/gpu_run.py --dry-run N OUT    # command N on CPU at tiny sizes (CI runs all 3)
+    options: [--cap STEP=SECONDS]... [--work DIR]
+
+A GPU comes rarely, for 30 minutes of device time, 10 minutes a command, and is released 30 s
+after a command ends; so the whole visit is three prepared commands run back to back, each at
+most :data:`COMMAND_LIMIT` seconds in the worst case, :data:`PLAN_LIMIT` in all, the most wanted
+numbers first. Every step is its own process group under a time cap: a ``fastspec bench`` /
+``compare`` / tool step gets its cap as ``--time-limit`` (no new case starts after it), a signal
+(SIGTERM; SIGINT for pytest, which then prints its summary) comes ``grace`` seconds later and ends
+the case in flight, keeping what finished in its JSON, and SIGKILL :data:`KILL` seconds after
+that. A step's worst case is cap + grace + KILL, a command's the sum of its steps: ``--plan``
+prints both, and a command refuses to start when ``--cap`` would take it past its limit.
+
+Offline: no pip, no downloads (``PIP_NO_INDEX`` and the Hugging Face offline switches are set,
+models are built from configs). The checkout's sources are copied to ``WORK/src`` (``--work``,
+else ``$FASTSPEC_GPU_RUN_WORK``, else ``$TMPDIR/fastspec-gpu-run``, kept after the command) and
+the extension is built there in place for the local GPU's arch with the installed setuptools,
+pybind11 and nvcc; a later command on the still-warm machine reuses that build when the native
+sources, the arch, Python and torch are unchanged (the Python sources are copied afresh every
+time, so a fix between commands is picked up).
+
+OUT receives a few flat files (at most 8 come back from a GPU machine): ``gpu_run.log`` (each
+step's start, cap, status and seconds, the versions, the summary), ``bench.json`` (this command's
+``fastspec bench`` results merged: the ``benchmarks/results`` schema plus a ``gpu_run`` record),
+``compare.json`` (command 3), ``tests.txt`` (command 1), ``tools.txt`` (ncu and compute-sanitizer,
+command 3), ``steps.txt`` (every other step's own output). Exit status: 0 when every step passed,
+was capped or skipped an optional tool; 1 when a step failed; 2 on bad arguments.
+
+``--dry-run`` runs exactly the same steps, in the same order and under the same caps, on CPU:
+``CUDA_VISIBLE_DEVICES`` emptied, ``TRITON_INTERPRET=1``, ``--quick`` sizes instead of
+``--tier gpu``, the solver's host twin, the extension still built for sm_90 where nvcc exists.
+``tests/test_gpu_run.py`` runs all three commands that way in CI.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KILL = 5              # seconds from the step's signal to SIGKILL
+COMMAND_LIMIT = 480   # worst case of one command: 8 of the 10 minutes a device command may take
+PLAN_LIMIT = 1500     # worst case of the three: 25 of the 30 minutes of device time
+HEADLINE_BY = 300     # command 1's headline steps end within its first 5 minutes, worst case
+ARCH_DRY = "90"       # the arch the kit targets: the CUDA build is checked even without a GPU
+COPIED = ("fastspec", "csrc", "tests", "benchmarks", "setup.py", "pyproject.toml", "README.md")
+NATIVE = ("csrc", "setup.py")  # what the extension is built from: its stamp hashes these
+
+
+HEAD = ("--filter", "headline")   # the cases tagged headline (fastspec.bench.case.HEADLINE)
+REST = ("--exclude", "headline")  # the others
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a command: ``kind`` says what runs (see :func:`argv`)."""
+
+    name: str
+    kind: str            # build | env | bench | tests | ncu | sanitize | compare | summary
+    cap: int             # seconds of work (a bench/compare/tool step's --time-limit)
+    grace: int = 0       # from the cap to the signal
+    what: str = ""
+    suite: str = ""      # bench: the suite
+    select: tuple[str, ...] = ()  # bench: --filter/--exclude arguments
+
+    @property
+    def headline(self) -> bool:
+        return self.select == HEAD
+
+    @property
+    def worst(self) -> int:
+        return self.cap + self.grace + KILL
+
+
+BUILD = Step("build", "build", 60, what="copy the sources, build the extension (reused when unchanged)")
+ENV = Step("env", "env", 15, what="versions: GPU, driver, nvcc, ncu, Python, torch, Triton, CuPy, JAX; fastspec info")
+SUMMARY = Step("summary", "summary", 10, what="merge bench.json, print the summary")
+
+
+def _bench(suite: str, cap: int, grace: int, what: str, select: tuple[str, ...] = ()) -> Step:
+    name = f"bench-{suite}" + ("-headline" if select == HEAD else "")
+    return Step(name, "bench", cap, grace, what, suite, select)
+
+
+PLAN: dict[int, tuple[Step, ...]] = {
+    1: (BUILD, ENV,
+        _bench("eigvalsh", 55, 10, "eigvalsh B4096-n128-fp32 and B256-n128-fp64 vs torch, cuSOLVER, CuPy, JAX",
+               HEAD),
+        _bench("covariance", 25, 10, "keys [8,8,2048,128] bf16: Triton kernel alone, whole update, "
+               "beside a copy of the same bytes", HEAD),
+        _bench("probe", 80, 15, "1.5B shape: measure() vs the forward, keys streaming vs the train step",
+               HEAD),
+        Step("tests", "tests", 120, 10, "pytest -m 'gpu or triton': CUDA solver, Triton kernels on CUDA"),
+        SUMMARY),
+    2: (BUILD, ENV,
+        _bench("eigvalsh", 100, 15, "every other eigvalsh size (n 64/128/256, B up to 16384, fp64 B4096)", REST),
+        _bench("covariance", 25, 10, "FFN [16384, 8192] bf16: update, kernel, copy", REST),
+        _bench("keyrank", 50, 15, "1.5B key rank: measure() vs hooks + svdvals per head"),
+        _bench("train_step", 70, 15, "1.5B train step, keys + FFN streaming, emit_every 100 and 1"),
+        _bench("probe", 40, 10, "key rank from keys in memory vs svdvals (exact, fast)", REST),
+        SUMMARY),
+    3: (BUILD, ENV,
+        Step("sanitize", "sanitize", 60, 5, "compute-sanitizer memcheck + racecheck: one small eig and cov launch"),
+        Step("ncu", "ncu", 45, 5, "Nsight Compute --set full: one eig launch, one keys covariance launch"),
+        Step("compare", "compare", 40, 10, "accuracy on the hard matrix families (fastspec compare)"),
+        _bench("train_step_compiled", 180, 15, "compiled train step (inductor), 8 layers of the 1.5B shape"),
+        SUMMARY),
+}
+DEST = {"tests": "tests.txt", "ncu": "tools.txt", "sanitize": "tools.txt"}
+
+
+def worst_cases(plan: dict[int, tuple[Step, ...]] = PLAN) -> dict[int, int]:
+    return {c: sum(s.worst for s in steps) for c, steps in plan.items()}
+
+
+def problems(plan: dict[int, tuple[Step, ...]] = PLAN) -> list[str]:
+    """Every limit the plan breaks (empty: it fits)."""
+    out = []
+    worst = worst_cases(plan)
+    for c, w in worst.items():
+        if w > COMMAND_LIMIT:
+            out.append(f"command {c}: worst case {w} s > {COMMAND_LIMIT} s")
+    if sum(worst.values()) > PLAN_LIMIT:
+        out.append(f"plan: worst case {sum(worst.values())} s > {PLAN_LIMIT} s")
+    t = 0
+    for s in plan[1]:
+        t += s.worst
+        if s.headline and t > HEADLINE_BY:
+            out.append(f"command 1: headline step {s.name} may end at {t} s > {HEADLINE_BY} s")
+    return out
+
+
+def table(plan: dict[int, tuple[Step, ...]] = PLAN) -> str:
+    """The time table: every step's cap, grace, kill, worst case and when it may end at the latest."""
+    lines = [f"{'cmd':>3}  {'step':<30} {'cap':>4} {'grace':>5} {'kill':>4} {'worst':>5} {'ends by':>7}  what"]
+    total = 0
+    for c, steps in plan.items():
+        t = 0
+        for s in steps:
+            t += s.worst
+            lines.append(f"{c:>3}  {s.name:<30} {s.cap:>4} {s.grace:>5} {KILL:>4} {s.worst:>5} {t:>7}  "
+                         f"{'* ' if s.headline else ''}{s.what}")
+        total += t
+        lines.append(f"{c:>3}  {'worst case of the command':<30} {'':>4} {'':>5} {'':>4} {t:>5}"
+                     f"  (limit {COMMAND_LIMIT} s)")
+    lines.append(f"plan worst case: {total} s = {total / 60:.1f} min (limit {PLAN_LIMIT} s = "
+                 f"{PLAN_LIMIT / 60:.0f} min), plus the machine's start; * = headline, done by "
+                 f"{HEADLINE_BY} s into command 1")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ running
+class Run:
+    """One command being run: paths, environment, log, and the steps' outcomes."""
+
+    def __init__(self, command: int, out: Path, work: Path, dry: bool, caps: dict[str, int]):
+        self.command, self.out, self.work, self.dry = command, out, work, dry
+        self.src = work / "src"
+        self.start = time.monotonic()
+        self.failed: list[str] = []
+        self.steps = [replace(s, cap=caps.get(s.name, s.cap)) for s in PLAN[command]]
+        self.log = out / "gpu_run.log"
+        self.env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+                    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                    "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1",
+                    # JAX (an eigvalsh anchor) must not take 75% of GPU memory next to torch
+                    "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+                    "PYTHONPATH": os.pathsep.join([str(self.src), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        if dry:  # CPU even on a GPU machine
+            self.env.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1",
+                            OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+
+    def say(self, text: str) -> None:
+        line = f"[gpu_run {time.strftime('%H:%M:%S', time.gmtime())} +{time.monotonic() - self.start:.0f}s] {text}"
+        print(line, flush=True)
+        with open(self.log, "a") as f:
+            f.write(line + "\n")
+
+    def argv(self, step: Step) -> list[str]:
+        py, cap = sys.executable, str(step.cap)
+        size = ["--quick"] if self.dry else ["--tier", "gpu"]
+        dry = ["--dry-run"] if self.dry else []
+        if step.kind == "build":
+            return [py, "setup.py", "-q", "build_ext", "--inplace"]
+        if step.kind == "env":
+            return [py, "benchmarks/gpu_tools.py", "env"]
+        if step.kind == "bench":
+            return [py, "-m", "fastspec", "bench", "--suite", step.suite, *step.select, *size,
+                    "--json", str(self.out / f"{step.name}.json"), "--time-limit", cap]
+        if step.kind == "compare":
+            return [py, "-m", "fastspec", "compare", *size, "--json", str(self.out / "compare.json"),
+                    "--time-limit", cap]
+        if step.kind == "tests":
+            return [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rfE",
+                    "-m", "gpu or triton", "tests"]
+        if step.kind in ("ncu", "sanitize"):
+            return [py, "benchmarks/gpu_tools.py", step.kind, "--time-limit", cap, *dry]
+        if step.kind == "summary":
+            return [py, "benchmarks/gpu_summary.py", str(self.out), "--command", str(self.command),
+                    "--dry-run", str(int(self.dry)), "--failed", " ".join(self.failed)]
+        raise ValueError(f"step {step.name}: unknown kind {step.kind!r}")
+
+    def run(self, step: Step, env: dict[str, str] | None = None) -> str:
+        """Run ``step`` under its cap; its status: ok, capped, FAILED rc N (also in the log)."""
+        argv = self.argv(step)
+        dest = self.out / DEST.get(step.kind, "steps.txt")
+        sig = signal.SIGINT if step.kind == "tests" else signal.SIGTERM
+        self.say(f"step {step.name}: start (cap {step.cap}s, {sig.name} {step.grace}s later, SIGKILL "
+                 f"{KILL}s after): {shlex.join(argv)}")
+        with open(dest, "a") as f:
+            f.write(f"===== {step.name}: {shlex.join(argv)}\n")
+            f.flush()
+            offset = f.tell()
+            t0 = time.monotonic()
+            proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=self.src,
+                                    env=env or self.env, start_new_session=True)
+            timed_out = False
+            try:
+                rc = proc.wait(timeout=step.cap + step.grace)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                rc = _stop(proc, sig)
+        dt = time.monotonic() - t0
+        text = dest.read_bytes()[offset:].decode(errors="replace")
+        if timed_out:
+            status = f"capped after {dt:.0f}s ({sig.name} at {step.cap + step.grace}s, rc {rc}); partial results kept"
+        elif rc != 0:
+            status = f"FAILED rc {rc} after {dt:.0f}s"
+            self.failed.append(step.name)
+        elif "time cap reached" in text:
+            status = f"capped after {dt:.0f}s; partial results kept"
+        else:
+            status = f"ok in {dt:.0f}s"
+        skipped = [ln.strip() for ln in text.splitlines()
+                   if step.kind in ("ncu", "sanitize") and re.match(r"^[\w-]+: skipped: ", ln)]
+        self.say(f"step {step.name}: {status}" + (f" ({'; '.join(skipped)})" if skipped else ""))
+        if rc != 0 and not timed_out:
+            tail = text.splitlines()[-15:]
+            with open(self.log, "a") as f:
+                f.writelines(f"    {ln}\n" for ln in tail)
+        return status
+
+    def build(self, step: Step) -> None:
+        """Fresh Python sources in ``WORK/src``; the extension rebuilt unless its stamp matches."""
+        arch = ARCH_DRY if self.dry else _local_arch()
+        stamp = _stamp(arch)
+        keep = self.work / "keep"
+        if keep.exists():
+            shutil.rmtree(keep)
+        keep.mkdir(parents=True)
+        old = self.src / "fastspec"
+        for so in old.glob("_eig_ext*") if old.exists() else ():
+            shutil.move(str(so), keep / so.name)
+        if self.src.exists():
+            shutil.rmtree(self.src)
+        self.src.mkdir(parents=True)
+        ignore = shutil.ignore_patterns("__pycache__", "*.so", "*.pyc", "build", "*.egg-info")
+        for name in COPIED:
+            src = ROOT / name
+            if src.is_dir():
+                shutil.copytree(src, self.src / name, ignore=ignore)
+            elif src.exists():
+                shutil.copy2(src, self.src / name)
+        stamp_file = self.work / "build.stamp"
+        kept = list(keep.iterdir())
+        if kept and stamp_file.exists() and stamp_file.read_text() == stamp:
+            for so in kept:
+                shutil.move(str(so), self.src / "fastspec" / so.name)
+            self.say(f"step build: reused the extension built earlier in {self.work} (stamp {stamp[:12]})")
+            return
+        self.say(f"sources copied to {self.src}; building for sm_{arch}")
+        stamp_file.unlink(missing_ok=True)
+        status = self.run(step, {**self.env, "FASTSPEC_CUDA_ARCH_LIST": arch})
+        check = subprocess.run([sys.executable, "-c", "import fastspec._eig_ext, fastspec; print(fastspec.__file__)"],
+                               cwd=self.src, env=self.env, capture_output=True, text=True, check=False)
+        if check.returncode != 0:
+            self.say("build: fastspec._eig_ext not importable (is pybind11 installed?); the solver "
+                     "benchmarks fall back to torch")
+            self.failed.append("build-extension")
+        elif not check.stdout.strip().startswith(str(self.src)):
+            self.say(f"build: python imports a fastspec other than {self.src}: {check.stdout.strip()}")
+            self.failed.append("build-import")
+        elif status.startswith("ok"):
+            stamp_file.write_text(stamp)
+
+
+def _stop(proc: subprocess.Popen, sig: signal.Signals) -> int:
+    """Signal the step's process group, SIGKILL it :data:`KILL` seconds later; its exit status."""
+    for s, wait in ((sig, KILL), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, s)
+        except ProcessLookupError:
+            pass
+        try:
+            return proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+    return proc.wait()
+
+
+def _local_arch() -> str:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    return f"{major}{minor}"
+
+
+def _stamp(arch: str) -> str:
+    """What the built extension depends on: native sources, arch, Python and torch versions."""
+    import torch
+
+    h = hashlib.sha256(f"{arch}|{sys.version}|{torch.__version__}|{torch.version.cuda}".encode())
+    for name in NATIVE:
+        path = ROOT / name
+        for f in sorted(path.rglob("*")) if path.is_dir() else [path]:
+            if f.is_file():
+                h.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def parse_caps(items: list[str]) -> dict[str, int]:
+    names = {s.name for steps in PLAN.values() for s in steps}
+    caps = {}
+    for item in items:
+        m = re.fullmatch(r"([a-z_-]+)=(\d+)", item)
+        if not m or m.group(1) not in names:
+            raise ValueError(f"--cap: expected STEP=SECONDS with STEP one of {', '.join(sorted(names))}; got {item!r}")
+        caps[m.group(1)] = int(m.group(2))
+    return caps
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="gpu_run.py", description=__doc__.splitlines()[0])
+    p.add_argument("command", nargs="?", type=int, choices=sorted(PLAN), help="which command of the plan")
+    p.add_argument("out", nargs="?", type=Path, help="folder for the result files")
+    p.add_argument("--plan", action="store_true", help="print the time table and exit")
+    p.add_argument("--dry-run", action="store_true", help="the same steps on CPU at tiny sizes")
+    p.add_argument("--cap", action="append", default=[], metavar="STEP=SECONDS", help="override a step's cap")
+    p.add_argument("--work", type=Path, help="build folder (default $FASTSPEC_GPU_RUN_WORK or $TMPDIR/fastspec-gpu-run)")
+    args = p.parse_args(argv)
+    try:
+        caps = parse_caps(args.cap)
+    except ValueError as e:
+        p.error(str(e))
+    if args.plan:
+        print(table())
+        bad = problems()
+        for line in bad:
+            print(f"OVER: {line}")
+        return 1 if bad else 0
+    if args.command is None or args.out is None:
+        p.error("COMMAND (1, 2 or 3) and OUT are required (or --plan)")
+    chosen = {c: tuple(replace(s, cap=caps.get(s.name, s.cap)) for s in steps) for c, steps in PLAN.items()}
+    over = [x for x in problems(chosen) if x.startswith(f"command {args.command}:")]
+    if over:
+        p.error(f"--cap: {over[0]}")
+    work = args.work or Path(os.environ.get("FASTSPEC_GPU_RUN_WORK")
+                             or Path(os.environ.get("TMPDIR", "/tmp")) / "fastspec-gpu-run")
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.dry_run:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("gpu_run.py: no CUDA device visible to torch: run with --dry-run on a machine without a GPU",
+                  file=sys.stderr)
+            return 1
+    run = Run(args.command, args.out.resolve(), work.resolve(), args.dry_run, caps)
+    run.say(f"fastspec GPU run: command {args.command} of {len(PLAN)}, dry_run={int(args.dry_run)}, "
+            f"worst case {sum(s.worst for s in run.steps)}s, out={run.out}, work={run.work}")
+    for step in run.steps:
+        if step.kind == "build":
+            run.build(step)
+        elif step.kind == "env":
+            run.run(step)
+            with open(run.log, "a") as f:  # the versions belong in the log that always comes back
+                f.write(_section(run.out / "steps.txt", f"===== {step.name}: "))
+        else:
+            run.run(step)
+    summary = _section(run.out / "steps.txt", "\n===== summary\n")  # to the log and the terminal
+    print(summary, end="", flush=True)
+    with open(run.log, "a") as f:
+        f.write(summary)
+    if run.failed:
+        run.say(f"done: FAILED steps: {' '.join(run.failed)}")
+        return 1
+    run.say("done: every step passed, was capped, or skipped an optional tool")
+    return 0
+
+
+def _section(path: Path, start: str) -> str:
+    """``path``'s text from the last ``start`` on (empty without one)."""
+    text = path.read_text(errors="replace") if path.exists() else ""
+    i = text.rfind(start)
+    return text[i:].lstrip("\n") if i >= 0 else ""
+
+
+if __name__ == "__main__":
+    sys.exit(main())
