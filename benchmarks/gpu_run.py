@@ -101,7 +101,7 @@ PLAN: dict[int, tuple[Step, ...]] = {
     1: (BUILD, ENV,
         _bench("eigvalsh", 55, 10, "eigvalsh B4096-n128-fp32 and B256-n128-fp64 vs torch, cuSOLVER, CuPy, JAX",
                HEAD),
-        _bench("covariance", 25, 10, "keys [8,8,2048,128] bf16: Triton kernel alone, whole update, "
+        _bench("covariance", 30, 10, "keys [8,8,2048,128] bf16: Triton kernel alone, whole update, "
                "beside a copy of the same bytes", HEAD),
         _bench("probe", 80, 15, "1.5B shape: measure() vs the forward, keys streaming vs the train step",
                HEAD),
