@@ -168,12 +168,11 @@ def table(plan: dict[int, tuple[Step, ...]] = PLAN) -> str:
 class Run:
     """One command being run: paths, environment, log, and the steps' outcomes."""
 
-    def __init__(self, command: int, out: Path, work: Path, dry: bool, caps: dict[str, int]):
-        self.command, self.out, self.work, self.dry = command, out, work, dry
+    def __init__(self, command: int, steps: tuple[Step, ...], out: Path, work: Path, dry: bool):
+        self.command, self.steps, self.out, self.work, self.dry = command, steps, out, work, dry
         self.src = work / "src"
         self.start = time.monotonic()
         self.failed: list[str] = []
-        self.steps = [replace(s, cap=caps.get(s.name, s.cap)) for s in PLAN[command]]
         self.log = out / "gpu_run.log"
         self.env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1",
                     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
@@ -246,8 +245,8 @@ class Run:
             status = f"capped after {dt:.0f}s; partial results kept"
         else:
             status = f"ok in {dt:.0f}s"
-        skipped = [ln.strip() for ln in text.splitlines()
-                   if step.kind in ("ncu", "sanitize") and re.match(r"^[\w-]+: skipped: ", ln)]
+        tool = step.kind in ("ncu", "sanitize")  # an unusable tool is a skip, said on the status line
+        skipped = [ln.strip() for ln in text.splitlines() if re.match(r"^[\w-]+: skipped: ", ln)] if tool else []
         self.say(f"step {step.name}: {status}" + (f" ({'; '.join(skipped)})" if skipped else ""))
         if rc != 0 and not timed_out:
             tail = text.splitlines()[-15:]
@@ -379,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
             print("gpu_run.py: no CUDA device visible to torch: run with --dry-run on a machine without a GPU",
                   file=sys.stderr)
             return 1
-    run = Run(args.command, args.out.resolve(), work.resolve(), args.dry_run, caps)
+    run = Run(args.command, chosen[args.command], args.out.resolve(), work.resolve(), args.dry_run)
     run.say(f"fastspec GPU run: command {args.command} of {len(PLAN)}, dry_run={int(args.dry_run)}, "
             f"worst case {sum(s.worst for s in run.steps)}s, out={run.out}, work={run.work}")
     for step in run.steps:

@@ -337,7 +337,7 @@ def test_the_kit_stays_offline():
 
 
 def test_a_step_past_its_cap_is_stopped_and_recorded_as_capped(tmp_path, monkeypatch):
-    run = gpu_run.Run(1, tmp_path, tmp_path / "work", True, {})
+    run = gpu_run.Run(1, gpu_run.PLAN[1], tmp_path, tmp_path / "work", True)
     run.src.mkdir(parents=True)
     # it ignores the polite signal: SIGKILL must end it
     code = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('started', flush=True); time.sleep(60)"
@@ -493,7 +493,7 @@ def _json_steps() -> list:
 def test_sigterm_to_any_step_leaves_valid_json_for_what_finished(step, tmp_path):
     """Each step that writes JSON, started as the kit starts it (dry), is sent SIGTERM as soon as
     one case has finished: its file is valid JSON holding that case, the rest marked skipped."""
-    run = gpu_run.Run(1, tmp_path, tmp_path, True, {})
+    run = gpu_run.Run(1, gpu_run.PLAN[1], tmp_path, tmp_path, True)
     argv = run.argv(step)
     path = Path(argv[argv.index("--json") + 1])
     env = {**run.env, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}

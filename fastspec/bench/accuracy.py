@@ -51,36 +51,22 @@ def compare(tier: str, device: torch.device, families: list[str] | None = None, 
             on_rows: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """One row per (family, n, fastspec variant): errors vs fp64 and their ratio.
 
-    Time cap, as :func:`fastspec.bench.runner.run_cases`: no new (family, n) starts after
-    ``deadline`` (``time.monotonic()``), and a :class:`~fastspec.bench.runner.TimeCap` raised
-    during one (the CLI's SIGTERM handler) ends the run; the (family, n) not measured get rows
-    with ``skipped`` naming the cap. ``on_rows(rows so far)`` after each (family, n), to write
-    partial results.
+    Time cap, as ``fastspec bench`` (:func:`fastspec.bench.runner.run_capped`): no new (family,
+    n) starts after ``deadline`` (``time.monotonic()``) or SIGTERM, a
+    :class:`~fastspec.bench.runner.TimeCap` raised during one ends the run, and the (family, n)
+    not measured get rows with ``skipped`` naming the cap. ``on_rows(rows so far)`` after each
+    (family, n), to write partial results.
     """
-    from .runner import CAP_DURING, CAP_REACHED, TimeCap, stop_requested
+    from .runner import run_capped
 
     sizes, batch = SIZES[tier]
     for fam in families or ():
         if fam not in FAMILIES:
             raise ValueError(f"families: unknown family {fam!r}; expected some of {list(FAMILIES)}")
     todo = [(fam, n) for fam in families or list(FAMILIES) for n in sizes]
-    rows: list[dict] = []
-    done = 0
-    try:
-        for fam, n in todo:
-            if stop_requested(deadline):
-                break
-            rows += _compare_one(fam, n, batch, device)
-            done += 1
-            if on_rows is not None:
-                on_rows(rows)
-    except TimeCap:
-        rows.append({"family": todo[done][0], "n": todo[done][1], "batch": batch, "skipped": CAP_DURING})
-        done += 1
-    rows += [{"family": fam, "n": n, "batch": batch, "skipped": CAP_REACHED} for fam, n in todo[done:]]
-    if on_rows is not None:
-        on_rows(rows)
-    return rows
+    return run_capped(todo, lambda item: _compare_one(*item, batch, device),
+                      lambda item: {"family": item[0], "n": item[1], "batch": batch},
+                      deadline=deadline, on_rows=on_rows)
 
 
 def _compare_one(fam: str, n: int, batch: int, device: torch.device) -> list[dict]:

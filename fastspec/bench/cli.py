@@ -28,6 +28,7 @@ hands over to :mod:`fastspec.bench.cli_compare`, which imports nothing from here
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from .cli_common import (
     add_time_limit,
     check_flags,
     deadline_of,
+    partial_json,
     print_header,
     resolve,
     sigterm_as_time_cap,
@@ -150,25 +152,19 @@ def run(args: argparse.Namespace) -> int:
     doc = report("bench", tier, [])
     print_header(doc["environment"], tier, f" · median of {repeats} repeats after {warmup} warm-up")
 
-    def save(rows: list[dict]) -> None:
-        doc["results"] = list(rows)
-        if args.json:
-            write_json(args.json, doc, quiet=True)
-
-    save([])  # a file from the start: killed in the first case, it still holds valid JSON
+    save = partial_json(args.json, doc)
     with sigterm_as_time_cap():
         doc["results"] = run_cases(
             selected, device, warmup=warmup, repeats=repeats, deadline=deadline, on_rows=save,
             progress=lambda c: print(f"  {c.suite} {c.id} ...", file=sys.stderr, flush=True))
-        try:  # a SIGTERM now finds every row saved already: the tables are all it can cut short
+        # a SIGTERM now finds every row saved already: the tables are all it can cut short
+        with contextlib.suppress(TimeCap):
             if args.wide:
                 print(render_text(BENCH_COLUMNS, [bench_cells(r) for r in doc["results"]]))
             else:
                 print(bench_text(doc["results"]))
             if args.json:
                 write_json(args.json, doc)
-        except TimeCap:
-            pass
     if capped(doc["results"]):
         print("time cap reached: partial results (cases not measured are marked skipped)", file=sys.stderr)
     return 1 if any("error" in r for r in doc["results"]) else 0

@@ -130,6 +130,19 @@ def sigterm_as_time_cap():
         STOP.clear()
 
 
+def partial_json(path: Path | None, doc: dict):
+    """``save(rows)``: puts ``rows`` in ``doc`` and rewrites ``path`` (if any) at once, and is
+    called here with no rows, so the file exists before the first case: a run killed at any
+    point leaves valid JSON holding every case that finished."""
+    def save(rows: list[dict]) -> None:
+        doc["results"] = list(rows)
+        if path:
+            write_json(path, doc, quiet=True)
+
+    save([])
+    return save
+
+
 def write_json(path: Path, doc: dict, *, quiet: bool = False) -> None:
     """Write ``doc`` atomically (a reader, or a kill mid-write, never sees half a file)."""
     path.parent.mkdir(parents=True, exist_ok=True)

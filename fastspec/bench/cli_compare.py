@@ -17,6 +17,7 @@ every (family, n), so a kill keeps what finished.
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 
 from .cli_common import (
@@ -24,6 +25,7 @@ from .cli_common import (
     add_time_limit,
     check_flags,
     deadline_of,
+    partial_json,
     print_header,
     resolve,
     sigterm_as_time_cap,
@@ -68,20 +70,14 @@ def run(args: argparse.Namespace) -> int:
     doc = report("compare", tier, [])
     print_header(doc["environment"], tier)
 
-    def save(rows: list[dict]) -> None:  # after every (family, n): a kill keeps what finished
-        doc["results"] = list(rows)
-        if args.json:
-            write_json(args.json, doc, quiet=True)
-
-    save([])
+    save = partial_json(args.json, doc)  # rewritten after every (family, n)
     with sigterm_as_time_cap():
         doc["results"] = compare(tier, device, families, deadline=deadline, on_rows=save)
         passed, line = compare_verdict(doc["results"])
-        try:  # a SIGTERM now finds every row saved already: only the printing is cut short
+        # a SIGTERM now finds every row saved already: only the printing is cut short
+        with contextlib.suppress(TimeCap):
             print(render_text(COMPARE_COLUMNS, [compare_cells(r) for r in doc["results"]], right=("ratio",)))
             if args.json:
                 write_json(args.json, doc)
             print(line)
-        except TimeCap:
-            pass
     return 0 if passed else 1

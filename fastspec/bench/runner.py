@@ -22,7 +22,7 @@ import math
 import threading
 import time
 from datetime import datetime, timezone
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -122,31 +122,46 @@ def run_cases(cases: list[Case], device: torch.device, *, warmup: int = 2, repea
               on_rows: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """Run ``cases`` in order; ``on_rows(rows so far)`` after each (to write partial results).
 
-    Time cap: a case is not started once ``deadline`` (``time.monotonic()``) has passed, and a
-    :class:`TimeCap` raised during the run (the CLI's SIGTERM handler; in a case, its progress
-    line or ``on_rows``) ends it. Either way every case not measured gets a ``skipped`` row
-    naming the cap, and the rows are returned normally: a capped run is a partial result, not a
-    failure.
+    Time cap: as :func:`run_capped` (a case is not started once ``deadline`` has passed or
+    SIGTERM came; a :class:`TimeCap` during a case, its progress line or ``on_rows`` ends the
+    run); every case not measured gets a ``skipped`` row naming the cap, and the rows are
+    returned normally: a capped run is a partial result, not a failure.
     """
+    def one(case: Case) -> list[dict]:
+        if progress is not None:
+            progress(case)
+        return run_case(case, device, warmup=warmup, repeats=repeats, deadline=deadline)
+
+    rows = run_capped(cases, one, _head, deadline=deadline, on_rows=on_rows)
+    if capped(rows):
+        free_memory(device)
+    return rows
+
+
+def run_capped(items: list, run_one: Callable[[Any], list[dict]], head: Callable[[Any], dict], *,
+               deadline: float | None = None,
+               on_rows: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """The rows of ``run_one(item)`` for each of ``items`` in order, under the time cap: no item
+    starts once :func:`stop_requested`, and a :class:`TimeCap` raised while one runs (or in
+    ``on_rows``) ends the loop. The item cut short gets ``{**head(item), "skipped": CAP_DURING}``,
+    those never started ``CAP_REACHED``. ``on_rows(rows so far)`` after each item, and once more
+    with the skipped rows when the cap cut the run. Shared by ``fastspec bench`` (cases) and
+    ``fastspec compare`` (matrix families)."""
     rows: list[dict] = []
-    done = 0  # cases whose rows are in ``rows``
+    done = 0  # items whose rows are in ``rows``
     try:
-        for case in cases:
+        for item in items:
             if stop_requested(deadline):
                 break
-            if progress is not None:
-                progress(case)
-            rows.extend(run_case(case, device, warmup=warmup, repeats=repeats, deadline=deadline))
+            rows.extend(run_one(item))
             done += 1
             if on_rows is not None:
                 on_rows(rows)
     except TimeCap:
-        free_memory(device)
-        if done < len(cases):
-            rows.append({**_head(cases[done]), "skipped": CAP_DURING})
+        if done < len(items):
+            rows.append({**head(items[done]), "skipped": CAP_DURING})
             done += 1
-    if done < len(cases):
-        rows.extend({**_head(c), "skipped": CAP_REACHED} for c in cases[done:])
+    rows.extend({**head(item), "skipped": CAP_REACHED} for item in items[done:])
     if on_rows is not None and capped(rows):
         on_rows(rows)
     return rows
