@@ -20,10 +20,14 @@ prints both, and a command refuses to start when ``--cap`` would take it past it
 Offline: no pip, no downloads (``PIP_NO_INDEX`` and the Hugging Face offline switches are set,
 models are built from configs). The checkout's sources are copied to ``WORK/src`` (``--work``,
 else ``$FASTSPEC_GPU_RUN_WORK``, else ``$TMPDIR/fastspec-gpu-run``, kept after the command) and
-the extension is built there in place for the local GPU's arch with the installed setuptools,
-pybind11 and nvcc; a later command on the still-warm machine reuses that build when the native
-sources, the arch, Python and torch are unchanged (the Python sources are copied afresh every
-time, so a fix between commands is picked up).
+the host-twin extension is built there in place with the installed setuptools and pybind11; a
+later command on the still-warm machine reuses that build when the native sources, Python and
+torch are unchanged (the Python sources are copied afresh every time, so a fix between commands
+is picked up). Then NVRTC compiles the CUDA eigensolver for the local GPU's arch, every size
+and dtype the benchmarks use, into the kit's own kernel cache (``WORK/kernel-cache``, the
+``FASTSPEC_CACHE`` of every step): what a user's first call would compile, timed per variant in
+``steps.txt``; the ``compile-*`` rows of the eigvalsh suite time a first call with the cache cold
+and warm.
 
 OUT receives a few flat files (at most 8 come back from a GPU machine): ``gpu_run.log`` (each
 step's start, cap, status and seconds, the versions, the summary), ``bench.json`` (this command's
@@ -34,7 +38,8 @@ was capped or skipped an optional tool; 1 when a step failed; 2 on bad arguments
 
 ``--dry-run`` runs exactly the same steps, in the same order and under the same caps, on CPU:
 ``CUDA_VISIBLE_DEVICES`` emptied, ``TRITON_INTERPRET=1``, ``--quick`` sizes instead of
-``--tier gpu``, the solver's host twin, the extension still built for sm_90 where nvcc exists.
+``--tier gpu``, the solver's host twin, the CUDA kernel still compiled for sm_90 (NVRTC runs
+without a GPU).
 ``tests/test_gpu_run.py`` runs all three commands that way in CI.
 """
 from __future__ import annotations
@@ -58,8 +63,9 @@ COMMAND_LIMIT = 480   # worst case of one command: 8 of the 10 minutes a device 
 PLAN_LIMIT = 1500     # worst case of the three: 25 of the 30 minutes of device time
 HEADLINE_BY = 300     # command 1's headline steps end within its first 5 minutes, worst case
 ARCH_DRY = "90"       # the arch the kit targets: the CUDA build is checked even without a GPU
-COPIED = ("fastspec", "csrc", "tests", "benchmarks", "setup.py", "pyproject.toml", "README.md")
-NATIVE = ("csrc", "setup.py")  # what the extension is built from: its stamp hashes these
+COPIED = ("fastspec", "tests", "benchmarks", "setup.py", "pyproject.toml", "README.md")
+NATIVE = ("fastspec/eig/csrc", "setup.py")  # what the extension is built from: its stamp hashes these
+KERNEL_SIZES = ("64", "128", "256")  # the eigvalsh suite's n (fastspec.bench.cases_eigvalsh.SIZES["gpu"])
 
 
 HEAD = ("--filter", "headline")   # the cases tagged headline (fastspec.bench.case.HEADLINE)
@@ -87,8 +93,10 @@ class Step:
         return self.cap + self.grace + KILL
 
 
-BUILD = Step("build", "build", 60, what="copy the sources, build the extension (reused when unchanged)")
-ENV = Step("env", "env", 15, what="versions: GPU, driver, nvcc, ncu, Python, torch, Triton, CuPy, JAX; fastspec info")
+BUILD = Step("build", "build", 30, what="copy the sources, build the host-twin extension (reused when unchanged)")
+KERNELS = Step("kernels", "kernels", 20, 5, what="NVRTC: the CUDA eigensolver for this GPU, n 64/128/256, "
+               "fp32/fp64, into the kit's kernel cache")
+ENV = Step("env", "env", 15, what="versions: GPU, driver, NVRTC, ncu, Python, torch, Triton, CuPy, JAX; fastspec info")
 SUMMARY = Step("summary", "summary", 10, what="merge bench.json, print the summary")
 
 
@@ -98,7 +106,7 @@ def _bench(suite: str, cap: int, grace: int, what: str, select: tuple[str, ...] 
 
 
 PLAN: dict[int, tuple[Step, ...]] = {
-    1: (BUILD, ENV,
+    1: (BUILD, KERNELS, ENV,
         _bench("eigvalsh", 55, 10, "eigvalsh B4096-n128-fp32 and B256-n128-fp64 vs torch, cuSOLVER, CuPy, JAX",
                HEAD),
         _bench("covariance", 30, 10, "keys [8,8,2048,128] bf16: Triton kernel alone, whole update, "
@@ -107,14 +115,14 @@ PLAN: dict[int, tuple[Step, ...]] = {
                HEAD),
         Step("tests", "tests", 120, 10, "pytest -m 'gpu or triton': CUDA solver, Triton kernels on CUDA"),
         SUMMARY),
-    2: (BUILD, ENV,
+    2: (BUILD, KERNELS, ENV,
         _bench("eigvalsh", 100, 15, "every other eigvalsh size (n 64/128/256, B up to 16384, fp64 B4096)", REST),
         _bench("covariance", 25, 10, "FFN [16384, 8192] bf16: update, kernel, copy", REST),
         _bench("keyrank", 50, 15, "1.5B key rank: measure() vs hooks + svdvals per head"),
         _bench("train_step", 70, 15, "1.5B train step, keys + FFN streaming, emit_every 100 and 1"),
         _bench("probe", 40, 10, "key rank from keys in memory vs svdvals (exact, fast)", REST),
         SUMMARY),
-    3: (BUILD, ENV,
+    3: (BUILD, KERNELS, ENV,
         Step("sanitize", "sanitize", 60, 5, "compute-sanitizer memcheck + racecheck: one small eig and cov launch"),
         Step("ncu", "ncu", 45, 5, "Nsight Compute --set full: one eig launch, one keys covariance launch"),
         Step("compare", "compare", 40, 10, "accuracy on the hard matrix families (fastspec compare)"),
@@ -179,6 +187,8 @@ class Run:
                     "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1",
                     # JAX (an eigvalsh anchor) must not take 75% of GPU memory next to torch
                     "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+                    # compiled kernels shared by the commands of one visit (a warm machine keeps them)
+                    "FASTSPEC_CACHE": str(work / "kernel-cache"),
                     "PYTHONPATH": os.pathsep.join([str(self.src), *filter(None, [os.environ.get("PYTHONPATH")])])}
         if dry:  # CPU even on a GPU machine
             self.env.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1",
@@ -196,6 +206,9 @@ class Run:
         dry = ["--dry-run"] if self.dry else []
         if step.kind == "build":
             return [py, "setup.py", "-q", "build_ext", "--inplace"]
+        if step.kind == "kernels":
+            return [py, "-m", "fastspec.eig.precompile", "--arch", ARCH_DRY if self.dry else _local_arch(),
+                    "--n", *KERNEL_SIZES, "--dtype", "float32", "float64"]
         if step.kind == "env":
             return [py, "benchmarks/gpu_tools.py", "env"]
         if step.kind == "bench":
@@ -256,8 +269,7 @@ class Run:
 
     def build(self, step: Step) -> None:
         """Fresh Python sources in ``WORK/src``; the extension rebuilt unless its stamp matches."""
-        arch = ARCH_DRY if self.dry else _local_arch()
-        stamp = _stamp(arch)
+        stamp = _stamp()
         keep = self.work / "keep"
         if keep.exists():
             shutil.rmtree(keep)
@@ -282,9 +294,9 @@ class Run:
                 shutil.move(str(so), self.src / "fastspec" / so.name)
             self.say(f"step build: reused the extension built earlier in {self.work} (stamp {stamp[:12]})")
             return
-        self.say(f"sources copied to {self.src}; building for sm_{arch}")
+        self.say(f"sources copied to {self.src}; building the host-twin extension")
         stamp_file.unlink(missing_ok=True)
-        status = self.run(step, {**self.env, "FASTSPEC_CUDA_ARCH_LIST": arch})
+        status = self.run(step)
         check = subprocess.run([sys.executable, "-c", "import fastspec._eig_ext, fastspec; print(fastspec.__file__)"],
                                cwd=self.src, env=self.env, capture_output=True, text=True, check=False)
         if check.returncode != 0:
@@ -319,11 +331,11 @@ def _local_arch() -> str:
     return f"{major}{minor}"
 
 
-def _stamp(arch: str) -> str:
-    """What the built extension depends on: native sources, arch, Python and torch versions."""
+def _stamp() -> str:
+    """What the built extension depends on: native sources, Python and torch versions."""
     import torch
 
-    h = hashlib.sha256(f"{arch}|{sys.version}|{torch.__version__}|{torch.version.cuda}".encode())
+    h = hashlib.sha256(f"{sys.version}|{torch.__version__}|{torch.version.cuda}".encode())
     for name in NATIVE:
         path = ROOT / name
         for f in sorted(path.rglob("*")) if path.is_dir() else [path]:

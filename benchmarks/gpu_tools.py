@@ -77,7 +77,7 @@ def cov(device, dry: bool, small: bool) -> None:
 
 
 TARGETS = {"eig": eig, "cov": cov}
-KERNELS = {"eig": "eigvalsh_batched_kernel", "cov": "_cov_partials_kernel"}
+KERNELS = {"eig": "fastspec_eigvalsh", "cov": "_cov_partials_kernel"}
 
 
 def target(names: list[str], dry: bool, small: bool) -> int:
@@ -233,7 +233,7 @@ def env() -> int:
     for tool, args in (("nvcc", ["--version"]), ("ncu", ["--version"]), ("compute-sanitizer", ["--version"])):
         print(f"{tool}:", first_line([tool, *args]) if shutil.which(tool) else "not found")
     print("python", platform.python_version(), sys.executable)
-    for name in ("torch", "triton", "numpy", "transformers", "cupy", "jax", "pybind11", "setuptools"):
+    for name in ("torch", "triton", "numpy", "transformers", "cupy", "jax", "cuda.bindings", "pybind11", "setuptools"):
         try:
             print(name, importlib.import_module(name).__version__)
         except Exception as e:  # noqa: BLE001 - a version line, whatever went wrong

@@ -485,9 +485,14 @@ def test_slice_and_reference_sizes():
     assert cases_eigvalsh.ref_count(16384) == 512 and cases_eigvalsh.ref_count(64) == 64
 
 
+def _solver_cases(tier, device):
+    """The eigvalsh suite's solver cases (the ``compile-*`` cases time the kernel's build)."""
+    return [c for c in cases("eigvalsh", tier, device) if not c.size.startswith("compile-")]
+
+
 def test_sizes_keep_the_id_pattern_and_have_fp64_cases():
     for tier in ("quick", "cpu", "gpu"):
-        sizes = {c.size for c in cases("eigvalsh", tier, CPU)}
+        sizes = {c.size for c in _solver_cases(tier, CPU)}
         assert all(re.fullmatch(r"B\d+-n\d+-fp(32|64)", s) for s in sizes), sizes
         assert any(s.endswith("-fp64") for s in sizes), tier
     assert "B4096-n128-fp64" in {c.size for c in cases("eigvalsh", "gpu", CPU)}
@@ -497,7 +502,7 @@ def test_gpu_cases_scale_the_sliced_torch_baseline(monkeypatch):
     """Cases for a CUDA device are built without touching CUDA (setup runs later)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setitem(sys.modules, "cupy", None)
-    built = cases("eigvalsh", "gpu", CUDA)
+    built = _solver_cases("gpu", CUDA)
     assert built
     for case in built:
         batch, n = (int(x) for x in re.match(r"B(\d+)-n(\d+)", case.size).groups())
@@ -524,7 +529,7 @@ def _fake_anchor_cases(monkeypatch, tier="quick"):
     monkeypatch.setattr(cases_eigvalsh, "make_anchors", lambda device: {
         "cusolverDnXsyevBatched": fake_solver, "jax.numpy.linalg.eigvalsh": "jax not installed",
         "cupy.linalg.eigvalsh": "needs a CUDA device"})
-    return cases("eigvalsh", tier, CPU), fake
+    return _solver_cases(tier, CPU), fake
 
 
 def test_quick_cases_run_on_cpu_with_small_errors_for_every_baseline(monkeypatch):
@@ -569,3 +574,25 @@ def test_sliced_torch_baseline_is_timed_on_the_slice_and_checked_on_the_referenc
         assert "error" not in row and 0 <= row["baseline_error"] < 2e-6
     # the timed cuSOLVER calls skip the info read-back, the accuracy check does not
     assert len(fake.named("cusolverDnXsyevBatched")) == 1 + 1 + 2  # check + warmup + repeats
+
+
+def test_compile_cases_time_the_kernels_first_call_build():
+    """One ``compile-*`` case per (n, dtype) of the tier: the build with a warm cache against an
+    empty one, both through the users' path; same code either way."""
+    from fastspec.eig import nvrtc
+
+    built = [c for c in cases("eigvalsh", "quick", CPU) if c.size.startswith("compile-")]
+    assert [c.size for c in built] == ["compile-n32-fp32"]
+    (case,) = built
+    assert case.variant == "cache-hit" and list(case.baselines) == ["nvrtc compile (empty cache)"]
+    if nvrtc.missing():
+        assert case.skip and nvrtc.missing() in case.skip
+        return
+    inp = case.setup()
+    try:
+        cold = case.baselines["nvrtc compile (empty cache)"](inp)
+        assert cold[:4] == b"\x7fELF" and case.fastspec(inp) == cold  # float32: byte for byte
+        assert case.check(inp) == {"fastspec_error": 0.0, "baseline_error": 0.0}
+    finally:
+        case.close(inp)
+    assert not os.path.exists(inp["root"])

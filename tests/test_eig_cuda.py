@@ -1,7 +1,8 @@
-"""CUDA batched eigensolver (csrc/eig_cuda.cu, ``backend="cuda"``): same battery and criterion as
-the host twin (tests/test_eig_host.py), against torch.linalg.eigvalsh's fp32 *CUDA* error, plus
-the kernel-only concerns: shared-memory vs global-workspace paths, streams, large batches, CuPy.
-All tests need a GPU (marked ``gpu``; skipped on CPU CI). No timing is asserted here."""
+"""CUDA batched eigensolver (fastspec/eig/csrc/eig_kernel.cu, ``backend="cuda"``, compiled at first
+use by NVRTC): same battery and criterion as the host twin (tests/test_eig_host.py), against
+torch.linalg.eigvalsh's fp32 *CUDA* error, plus the kernel-only concerns: shared-memory vs
+global-workspace paths, streams, CUDA graphs, large batches, the kernel cache. All tests need a
+GPU (marked ``gpu``; skipped on CPU CI). No timing is asserted here."""
 from __future__ import annotations
 
 import numpy as np
@@ -106,14 +107,34 @@ def test_auto_picks_cuda_and_compiles():
     torch.testing.assert_close(compiled(A), cuda(A).sum(-1))
 
 
-def test_cupy_arrays_through_raw_pointers():
-    cp = pytest.importorskip("cupy")
-    from fastspec import _eig_ext
+def test_side_stream_and_cuda_graph():
+    """Launched on the current stream (no host sync), so it orders with torch's work on a side
+    stream and is captured by a CUDA graph once the first call has compiled and loaded it."""
+    A = torch.from_numpy(make_batch("spd", 128, 64)).float().cuda()
+    want = cuda(A)  # compile + load outside the capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        B = A * 2  # on the side stream: the solve must see it finished
+        got = cuda(B)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.testing.assert_close(got, 2 * want, rtol=1e-5, atol=1e-5)
+    static = A.clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = cuda(static)
+    static.copy_(A * 3)
+    g.replay()
+    torch.testing.assert_close(out, 3 * want, rtol=1e-5, atol=1e-5)
 
-    a = cp.asarray(make_batch("spd", 128, 8).astype(np.float32))
-    out = cp.empty((8, 128), dtype=cp.float32)
-    es = a.itemsize
-    _eig_ext.cuda_eigvalsh_f32(a.data.ptr, out.data.ptr, 0, 8, 128, a.strides[0] // es, a.strides[1] // es,
-                               a.strides[2] // es, 128, a.device.id, cp.cuda.get_current_stream().ptr)
-    cp.cuda.get_current_stream().synchronize()
-    torch.testing.assert_close(torch.from_numpy(cp.asnumpy(out)), cuda(torch.from_numpy(cp.asnumpy(a)).cuda()).cpu())
+
+def test_kernel_cache_holds_the_variants_used(tmp_path, monkeypatch):
+    from fastspec.eig import cuda as eig_cuda, nvrtc
+
+    monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path))
+    nvrtc.forget()
+    monkeypatch.setattr(eig_cuda, "_loaded", {})
+    A = torch.from_numpy(make_batch("spd", 96, 4)).cuda()
+    cuda(A)
+    (f,) = (tmp_path / "eig").iterdir()
+    assert f.name.startswith("eigvalsh-float64-n96-smem-") and nvrtc._unframe(f.read_bytes())

@@ -275,7 +275,7 @@ def test_a_plan_over_its_limits_is_refused():
 def test_the_headline_numbers_come_first_and_the_tools_once():
     first = gpu_run.PLAN[1]
     kinds = [s.kind for s in first]
-    assert kinds[:2] == ["build", "env"] and kinds[-1] == "summary"
+    assert kinds[:3] == ["build", "kernels", "env"] and kinds[-1] == "summary"
     heads = [s for s in first if s.headline]
     assert [(s.suite, s.select) for s in heads] == [("eigvalsh", gpu_run.HEAD), ("covariance", gpu_run.HEAD),
                                                     ("probe", gpu_run.HEAD)]
@@ -469,6 +469,12 @@ def test_dry_run_of_the_whole_plan_offline_with_tools_and_anchors_missing(tmp_pa
                                    for s in skipped), skipped
     assert "step build: ok" in logs[1]
     assert "step build: reused" in logs[2] and "step build: reused" in logs[3]  # one build, three commands
+    # NVRTC compiled the kernel for sm_90 once; the later commands found it in the kit's cache
+    assert re.search(r"6 variants for sm_90\n(.*nvrtc .*\n){6}", (tmp_path / "out1" / "steps.txt").read_text())
+    assert re.search(r"6 variants for sm_90\n(.*disk .*\n){6}", (tmp_path / "out2" / "steps.txt").read_text())
+    builds = [r for r in _strict_json(tmp_path / "out2" / "bench.json")["results"]
+              if r["size"].startswith("compile-") and "fastspec_s" in r]
+    assert builds and all(r["fastspec_error"] == 0 for r in builds)
     tests = (tmp_path / "out1" / "tests.txt").read_text()
     assert re.search(r"\d+ passed", tests) and "failed" not in tests  # the Triton tests, interpreted
     tools = (tmp_path / "out3" / "tools.txt").read_text()

@@ -22,7 +22,7 @@ import torch
 import fastspec
 from fastspec._trace import assume_constant_result
 from fastspec.cli import COMMANDS, main
-from fastspec.eig import native
+from fastspec.eig import cuda as eig_cuda
 
 # what `import fastspec` must leave out (a name covers its submodules)
 HEAVY = ("torch._dynamo", "scipy", "triton", "pandas", "matplotlib", "transformers")
@@ -212,8 +212,8 @@ def test_build_parser_rejects_unknown_command_names():
 
 
 # ---------------------------------------------------------------- assume_constant_result at import
-# native._cuda_runtime_devices must trace as a constant under torch.compile; native marks it
-# without importing torch._dynamo (see fastspec/_trace.py)
+# cuda._binding_status (imports cuda.bindings, asks NVRTC its version) must trace as a constant
+# under torch.compile; cuda.py marks it without importing torch._dynamo (see fastspec/_trace.py)
 
 
 def test_native_mark_is_what_torch_sets():
@@ -229,17 +229,18 @@ def test_native_mark_is_what_torch_sets():
 
 
 @pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace")
-def test_cuda_runtime_devices_traces_as_a_constant(monkeypatch):
-    # os.cpu_count stands in for the pybind11 call: a builtin dynamo cannot trace (the unmarked
-    # copy below proves it), so fullgraph succeeds only when the mark makes dynamo run it eagerly
-    monkeypatch.setattr(native, "_ext", types.SimpleNamespace(cuda_device_count=os.cpu_count))
-    monkeypatch.setattr(native, "_runtime_devices", [])
-    fn = native._cuda_runtime_devices
+def test_cuda_binding_status_traces_as_a_constant(monkeypatch):
+    # os.cpu_count stands in for the binding's import and NVRTC call: a builtin dynamo cannot
+    # trace (the unmarked copy below proves it), so fullgraph succeeds only when the mark makes
+    # dynamo run it eagerly
+    monkeypatch.setattr(eig_cuda, "_driver", os.cpu_count)
+    monkeypatch.setattr(eig_cuda.nvrtc, "version", lambda: (13, 0))
+    fn = eig_cuda._binding_status
     unmarked = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__)
 
     torch._dynamo.reset()
     with pytest.raises(torch._dynamo.exc.Unsupported):
-        torch.compile(lambda x: x + unmarked(), backend="eager", fullgraph=True)(torch.zeros(3))
+        torch.compile(lambda x: x + len(unmarked()[1]), backend="eager", fullgraph=True)(torch.zeros(3))
     torch._dynamo.reset()
-    compiled = torch.compile(lambda x: x + native._cuda_runtime_devices(), backend="eager", fullgraph=True)
-    assert torch.equal(compiled(torch.zeros(3)), torch.full((3,), float(os.cpu_count())))
+    compiled = torch.compile(lambda x: x + len(eig_cuda._binding_status()[1]), backend="eager", fullgraph=True)
+    assert torch.equal(compiled(torch.zeros(3)), torch.full((3,), float(len("NVRTC 13.0"))))

@@ -30,8 +30,21 @@ precision as the input, so the numbers say how far each solver is from LAPACK (o
 fp64 path *is* that LAPACK call, and its error is 0). On CUDA the fp64 reference loops per matrix
 (~1 ms each): the subset keeps it under a second or two.
 Rate: µs per matrix.
+
+The kernel's own build (``compile-n128-fp32``, ``compile-n128-fp64``, variant ``cache-hit``):
+the first call's build of the CUDA kernel for one ``(n, dtype)`` with the disk cache warm
+(read and verify the cached image; on CUDA also load it into the driver and configure it)
+against the same build with an empty cache (NVRTC compiles it, then the same). On CPU there
+is no driver: the image is built for sm_90, compile and cache read only. Error: 0 when the
+cached image is the compiled one: byte for byte, or (NVRTC 13's float64 output differs from run
+to run in the operand order of commutative DFMAs) the same SASS opcodes, counted by cuobjdump.
 """
 from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
 
 import torch
 
@@ -142,7 +155,7 @@ def eigvalsh_cases(tier: str, device: torch.device) -> list[Case]:
     notes = {name: why for name, why in anchors.items()
              if isinstance(why, str) and not (device.type != "cuda" and name in CUDA_ONLY)}
 
-    out = []
+    out = compile_cases(tier, device)
     for batch, n, dtype in SIZES[tier]:
         sliced = torch_slice(batch, n, device)
         refs = ref_count(batch)
@@ -179,4 +192,88 @@ def eigvalsh_cases(tier: str, device: torch.device) -> list[Case]:
                 rate=("µs/matrix", lambda s, batch=batch: s / batch * 1e6),
                 skip=skip, notes=dict(notes), baseline_scale=dict(scale),
                 tags=frozenset({HEADLINE}) if (batch, n, dtype) in HEADLINE_SIZES[tier] else frozenset()))
+    return out
+
+
+COMPILE_SIZES = {"quick": [(32, torch.float32)], "cpu": [(128, torch.float32), (128, torch.float64)],
+                 "gpu": [(128, torch.float32), (128, torch.float64)]}
+
+
+@contextlib.contextmanager
+def _cache_at(folder: str):
+    old = os.environ.get("FASTSPEC_CACHE")
+    os.environ["FASTSPEC_CACHE"] = folder
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("FASTSPEC_CACHE", None)
+        else:
+            os.environ["FASTSPEC_CACHE"] = old
+
+
+def _same_code(a: bytes, b: bytes) -> bool:
+    """Byte-identical images, or cubins with the same SASS opcodes (module docstring)."""
+    if a == b:
+        return True
+    from .sass import disassemble, find_tool, kernels
+
+    if find_tool("cuobjdump") is None or a[:4] != b"\x7fELF" or b[:4] != b"\x7fELF":
+        return False
+    ops = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, image in enumerate((a, b)):
+            path = os.path.join(tmp, f"{i}.cubin")
+            with open(path, "wb") as f:
+                f.write(image)
+            ops.append([k.full_ops for k in kernels(disassemble(path))])
+    return ops[0] == ops[1]
+
+
+def compile_cases(tier: str, device: torch.device) -> list[Case]:
+    """The CUDA kernel's first-call build, cache warm vs cold (module docstring)."""
+    from ..eig import cuda, nvrtc
+
+    why = nvrtc.missing()
+    skip = f"the CUDA kernel cannot be compiled here: {why}" if why else None
+    out = []
+    for n, dtype in COMPILE_SIZES[tier]:
+        name = str(dtype).removeprefix("torch.")
+
+        def build(folder: str, n=n, name=name) -> bytes:
+            """One first-call build with the cache in ``folder``; the image's bytes."""
+            nvrtc.forget()
+            with _cache_at(folder):
+                if device.type == "cuda":
+                    index = device.index if device.index is not None else torch.cuda.current_device()
+                    spec = cuda.DeviceSpec.of_device(index)
+                    target = nvrtc.choose_target(spec.cc)
+                    cuda._loaded.pop((cuda.variant_for(n, name, spec), target.arch), None)
+                    cuda.prepare(n, name, index)
+                else:
+                    spec, target = cuda.DeviceSpec.for_arch(90), nvrtc.Target(90)
+                return nvrtc.compile_variant(cuda.variant_for(n, name, spec), target).data
+
+        def setup(build=build) -> Inputs:
+            root = tempfile.mkdtemp(prefix="fastspec-compile-bench-")
+            warm = os.path.join(root, "warm")
+            build(warm)  # the cached side's image, compiled once
+            return {"root": root, "warm": warm, "cold": iter(range(10**9))}
+
+        def cold(inp: Inputs, build=build) -> bytes:
+            return build(os.path.join(inp["root"], f"cold-{next(inp['cold'])}"))  # a new, empty cache each call
+
+        def check(inp: Inputs, build=build, cold=cold) -> dict:
+            return {"fastspec_error": 0.0 if _same_code(build(inp["warm"]), cold(inp)) else 1.0,
+                    "baseline_error": 0.0}
+
+        def teardown(inp: Inputs) -> None:
+            nvrtc.forget()
+            shutil.rmtree(inp["root"], ignore_errors=True)
+
+        out.append(Case(
+            suite="eigvalsh", size=f"compile-n{n}-{DTYPE_NAMES[dtype]}", variant="cache-hit", setup=setup,
+            fastspec=lambda inp, build=build: build(inp["warm"]), baselines={"nvrtc compile (empty cache)": cold},
+            check=check, error_kind="cached image differs from a fresh compile (0: same code)",
+            skip=skip, teardown=teardown))
     return out

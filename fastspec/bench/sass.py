@@ -1,10 +1,10 @@
 """Static evidence about compiled GPU kernels, without a GPU: ptxas resource lines and SASS.
 
 What a kernel will cost can be read, in part, before it ever runs: how many registers it uses
-and whether it spills (``nvcc -Xptxas -v`` / ``ptxas -v``), which memory instructions the
+and whether it spills (``ptxas -v``, or ``cuobjdump -res-usage`` of the cubin), which memory instructions the
 compiler chose (``LDS``/``STS`` for shared memory vs generic ``LD``/``ST``), and how many
 instructions each loop iteration issues (``cuobjdump -sass``). The kernel headers' cost models
-(``csrc/eig_cuda.cu``, ``fastspec/covariance/triton_kernels.py``) are built from these counts,
+(``fastspec/eig/csrc/eig_kernel.cu``, ``fastspec/covariance/triton_kernels.py``) are built from these counts,
 and the tests keep them honest (``tests/test_eig_sass.py``).
 
 Tools are looked up in ``$CUDA_HOME/bin`` and on ``PATH`` first, then in the Triton wheel
@@ -23,7 +23,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
-__all__ = ["Kernel", "Loop", "find_tool", "parse_ptxas", "disassemble", "kernels", "main"]
+__all__ = ["Kernel", "Loop", "find_tool", "parse_ptxas", "resource_usage", "disassemble", "kernels", "main"]
 
 
 def find_tool(name: str) -> str | None:
@@ -67,6 +67,20 @@ def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
         if m:
             out[name]["registers"] = int(m.group(1))
     return out
+
+
+_RES = re.compile(r"Function ([\w$.]+):\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+
+
+def resource_usage(cubin: str) -> dict[str, dict[str, int]]:
+    """``cuobjdump -res-usage`` of a cubin -> ``{kernel: {registers, stack, shared, local}}``;
+    spills show as stack (and local) bytes."""
+    tool = find_tool("cuobjdump")
+    if tool is None:
+        raise FileNotFoundError("cuobjdump: not on PATH and not in the Triton wheel")
+    text = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
+    return {m.group(1): dict(zip(("registers", "stack", "shared", "local"), map(int, m.groups()[1:])))
+            for m in _RES.finditer(text)}
 
 
 _FUNC = re.compile(r"^\s*Function : (\S+)")

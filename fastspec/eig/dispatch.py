@@ -5,13 +5,17 @@ result ``[..., n]`` ascending, same dtype as ``A``; float16/bfloat16 are solved 
 Backends:
 
 * ``"torch"``: ``torch.linalg.eigvalsh`` (the reference and the universal fallback).
-* ``"cuda"``: fastspec's batched kernel (csrc/eig_cuda.cu), one thread block per matrix:
-  Householder tridiagonalization in shared memory + Sturm bisection. CUDA float32/float64.
-* ``"host"``: the host twin of the same numerics (csrc/eig_core.h) on CPU tensors; for tests
+* ``"cuda"``: fastspec's batched kernel (fastspec/eig/csrc/eig_kernel.cu), one thread block per matrix:
+  Householder tridiagonalization in shared memory + Sturm bisection. CUDA float32/float64,
+  n <= 1024. Compiled for the GPU at the first call of each (n, dtype) by NVRTC and cached on
+  disk (:mod:`.nvrtc`); no CUDA toolkit needed, only ``cuda-bindings`` (a dependency of
+  PyTorch's CUDA 13 wheels). A kernel that cannot be compiled or loaded raises here.
+* ``"host"``: the host twin of the same numerics (fastspec/eig/csrc/eig_core.h) on CPU tensors; for tests
   and CPU-only checks of the algorithm, not for speed.
 * ``"auto"``: ``"cuda"`` for CUDA float32/float64 inputs with ``n <= 256`` that need no gradient,
-  else ``"torch"``. When ``"cuda"`` would apply but the extension is not usable, one log line on
-  the ``fastspec`` logger says why (once per process) and torch is used.
+  else ``"torch"``. When ``"cuda"`` would apply but the kernel cannot be had (no binding or
+  NVRTC, a compile error, an old driver), one log line on the ``fastspec`` logger says why and
+  torch is used.
 
 Every backend returns NaN for every eigenvalue of a matrix whose lower triangle holds NaN/Inf,
 its batch neighbours unaffected (``torch.linalg.eigvalsh`` alone raises, or returns garbage, on
@@ -31,7 +35,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from . import native
+from . import cuda, native
+from .nvrtc import KernelUnavailable
 
 BACKENDS = ("auto", "torch", "cuda", "host")
 
@@ -84,15 +89,6 @@ def _auto(A: Tensor) -> str:
     return "cuda"
 
 
-def _torch_eigvalsh(A: Tensor) -> Tensor:
-    """``torch.linalg.eigvalsh`` with the native backends' NaN rule: a matrix whose lower triangle
-    holds NaN/Inf gets all-NaN eigenvalues, solved as a zero matrix so LAPACK never sees it."""
-    # unsqueeze, not [..., None]: Ellipsis indexing breaks FakeTensorMode CUDA tensors on CPU builds
-    bad = torch.isfinite(A).logical_not().tril_().flatten(-2).any(-1).unsqueeze(-1)  # [..., 1]
-    w = torch.linalg.eigvalsh(torch.where(bad.unsqueeze(-1), 0, A))
-    return w.masked_fill(bad, float("nan"))
-
-
 def eigvalsh(A: Tensor, *, backend: str = "auto") -> Tensor:
     """Eigenvalues ``[..., n]`` (ascending) of symmetric ``A: [..., n, n]``, lower triangle used.
 
@@ -116,7 +112,7 @@ def eigvalsh(A: Tensor, *, backend: str = "auto") -> Tensor:
     if backend == "auto":
         backend = _auto(A)
     if backend == "torch":
-        return _torch_eigvalsh(A)
+        return native.torch_eigvalsh(A)
     expected = "cuda" if backend == "cuda" else "cpu"
     if A.device.type != expected:
         raise ValueError(f"A: backend={backend!r} takes {expected} tensors, got device {A.device}")
@@ -127,7 +123,25 @@ def eigvalsh(A: Tensor, *, backend: str = "auto") -> Tensor:
         raise RuntimeError(f"backend: {backend!r} unavailable here: {reason}")
     if A.shape[-1] == 0 or A.numel() == 0:
         return A.new_empty(A.shape[:-1])
+    if backend == "cuda":
+        _prepare_cuda(A)
     return torch.ops.fastspec.eigvalsh(A)
+
+
+def _prepare_cuda(A: Tensor) -> None:
+    """Explicit ``backend="cuda"``: compile and load the kernel now, so that a kernel that cannot
+    be had raises with its reason (``"auto"`` lets the op fall back to torch instead)."""
+    n = A.shape[-1]
+    if n > cuda.MAX_N:
+        raise ValueError(f"A: n = {n} exceeds the CUDA solver's limit {cuda.MAX_N}; use backend='torch'")
+    from torch._subclasses.fake_tensor import is_fake  # noqa: PLC0415 - loaded with torch already
+
+    if torch.compiler.is_compiling() or is_fake(A):
+        return  # traced: the op compiles at its first real run
+    try:
+        cuda.prepare(n, A.dtype, A.device.index if A.device.index is not None else torch.cuda.current_device())
+    except KernelUnavailable as exc:
+        raise RuntimeError(f"backend: 'cuda' unavailable: {exc}") from None
 
 
 def backends() -> dict[str, dict[str, object]]:

@@ -1,19 +1,26 @@
-"""Launchers for the native batched eigensolver (``csrc/``, module ``fastspec._eig_ext``).
+"""The ``fastspec::eigvalsh`` custom op and the host twin's launcher.
 
-Layer between tensors and the raw-pointer pybind11 entries: flattens ``A: [..., n, n]`` to
-``[B, n, n]`` (a view when the strides allow, a copy otherwise), passes element strides, the
-device ordinal and the current CUDA stream, allocates ``out: [B, n]`` (and, for n whose matrix
-does not fit in shared memory, the device workspace). The extension is optional: importing this
-module never fails; :func:`status` says what is usable and why not.
+``torch.ops.fastspec.eigvalsh(A)`` runs fastspec's solver on ``A``'s device: on CUDA the kernel
+compiled at first use by NVRTC (:mod:`.cuda`, :mod:`.nvrtc`), on CPU the host twin of the same
+numerics (``fastspec/eig/csrc/eig_host.cpp``, module ``fastspec._eig_ext``, built by setup.py with a C++
+compiler). The op has a fake implementation, so it traces under ``torch.compile``. When the CUDA
+kernel cannot be had (no NVRTC, a compile error, a driver too old), the op says why once on the
+``fastspec`` logger and solves with :func:`torch_eigvalsh` instead: never a crash.
+
+The host launcher flattens ``A: [..., n, n]`` to ``[B, n, n]`` (a view when the strides allow, a
+copy otherwise), passes element strides and allocates ``out: [B, n]``. The extension is
+optional: importing this module never fails; :func:`status` says what is usable and why not.
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 from torch import Tensor
 
-from .._trace import assume_constant_result
+from . import cuda as _cuda
+from .nvrtc import KernelUnavailable
 
 try:
     from fastspec import _eig_ext as _ext
@@ -21,38 +28,31 @@ try:
     _EXT_ERROR = ""
 except ImportError as exc:  # not built (no compiler, FASTSPEC_NO_EXT=1) or built for another Python
     _ext = None
-    _EXT_ERROR = f"native extension fastspec._eig_ext not importable ({exc}); build it with a C++ compiler (and nvcc)"
+    _EXT_ERROR = f"native extension fastspec._eig_ext not importable ({exc}); build it with a C++ compiler"
 
 DTYPES = (torch.float32, torch.float64)
-CUDA_MAX_N = 256  # design envelope of csrc/eig_cuda.cu; "auto" sends larger n to torch.linalg
+CUDA_MAX_N = _cuda.AUTO_MAX_N  # "auto" sends larger n to torch.linalg
 
-
-_runtime_devices: list[int] = []
-
-
-@assume_constant_result
-def _cuda_runtime_devices() -> int:
-    # devices the extension's own (static) CUDA runtime sees: 0 also when the driver is older
-    # than the CUDA it was built with, where torch's runtime may still work. Asked once, lazily
-    # (never at import: no CUDA initialisation before a fork).
-    if not _runtime_devices:
-        _runtime_devices.append(_ext.cuda_device_count())
-    return _runtime_devices[0]
+log = logging.getLogger("fastspec")
+_op_fallback_logged: list[str] = []
 
 
 def status(backend: str) -> tuple[bool, str]:
     """``(available, reason)`` of the ``"host"`` or ``"cuda"`` native backend in this process."""
+    if backend == "cuda":
+        return _cuda.status()
     if _ext is None:
         return False, _EXT_ERROR
-    if backend == "host":
-        return True, "host twin of the CUDA solver (csrc/eig_core.h, serial), float32/float64 CPU tensors"
-    if not _ext.has_cuda:
-        return False, "fastspec._eig_ext was built without CUDA (no nvcc at build time, or FASTSPEC_NO_CUDA=1)"
-    if not torch.cuda.is_available():
-        return False, "no CUDA device visible to torch"
-    if _cuda_runtime_devices() == 0:
-        return False, "the extension's CUDA runtime sees no device (NVIDIA driver older than its CUDA build?)"
-    return True, f"batched block-per-matrix kernel, float32/float64 CUDA tensors, n <= {CUDA_MAX_N}"
+    return True, "host twin of the CUDA solver (fastspec/eig/csrc/eig_core.h, serial), float32/float64 CPU tensors"
+
+
+def torch_eigvalsh(A: Tensor) -> Tensor:
+    """``torch.linalg.eigvalsh`` with the native backends' NaN rule: a matrix whose lower triangle
+    holds NaN/Inf gets all-NaN eigenvalues, solved as a zero matrix so LAPACK never sees it."""
+    # unsqueeze, not [..., None]: Ellipsis indexing breaks FakeTensorMode CUDA tensors on CPU builds
+    bad = torch.isfinite(A).logical_not().tril_().flatten(-2).any(-1).unsqueeze(-1)  # [..., 1]
+    w = torch.linalg.eigvalsh(torch.where(bad.unsqueeze(-1), 0, A))
+    return w.masked_fill(bad, float("nan"))
 
 
 def _require(backend: str) -> None:
@@ -83,31 +83,22 @@ def host_eigvalsh(A: Tensor) -> Tensor:
     return out.reshape(A.shape[:-1])
 
 
-def cuda_eigvalsh(A: Tensor) -> Tensor:
-    """CUDA kernel: eigenvalues of CUDA ``A: [..., n, n]`` (lower triangle), ``[..., n]`` ascending.
-
-    Asynchronous on the current stream of ``A``'s device, like any torch op.
-    """
-    _require("cuda")
-    A3, out = _flatten(A, "cuda")
-    B, n = out.shape
-    if n > _ext.max_n_cuda:
-        raise ValueError(f"A: n = {n} exceeds the CUDA solver's limit {_ext.max_n_cuda}; use backend='torch'")
-    if B and n:
-        dev = A.device.index if A.device.index is not None else torch.cuda.current_device()
-        ws = _ext.cuda_workspace_elems(B, n, A.element_size(), dev)
-        work = torch.empty(ws, dtype=A.dtype, device=A.device) if ws else None
-        f = _ext.cuda_eigvalsh_f32 if A.dtype == torch.float32 else _ext.cuda_eigvalsh_f64
-        stream = torch.cuda.current_stream(A.device).cuda_stream
-        f(A3.data_ptr(), out.data_ptr(), work.data_ptr() if work is not None else 0, B, n, *A3.stride(),
-          out.stride(0), dev, stream)
-    return out.reshape(A.shape[:-1])
-
-
 @torch.library.custom_op("fastspec::eigvalsh", mutates_args=())
 def eigvalsh_op(A: Tensor) -> Tensor:
     """``torch.ops.fastspec.eigvalsh``: native solver on ``A``'s device (CUDA kernel or host twin)."""
-    return cuda_eigvalsh(A) if A.device.type == "cuda" else host_eigvalsh(A)
+    return _cuda_or_torch(A) if A.device.type == "cuda" else host_eigvalsh(A)
+
+
+def _cuda_or_torch(A: Tensor) -> Tensor:
+    """The CUDA kernel; torch.linalg when it cannot be had, said once per reason on the logger."""
+    try:
+        return _cuda.eigvalsh(A)
+    except KernelUnavailable as exc:
+        reason = str(exc)
+        if reason not in _op_fallback_logged:
+            _op_fallback_logged.append(reason)
+            log.warning("fastspec.eigvalsh: CUDA eigensolver unavailable (%s); using torch.linalg.eigvalsh", reason)
+        return torch_eigvalsh(A)
 
 
 @eigvalsh_op.register_fake

@@ -1,6 +1,7 @@
 // eig_core.h — per-matrix numerics of fastspec's batched symmetric eigensolver, compiled for
-// both host and device: the CUDA kernel (eig_cuda.cu) and the host twin (eig_host.cpp) run
-// exactly this code, so CPU-only CI checks the algorithm itself.
+// both host and device: the CUDA kernel (eig_kernel.cu, compiled at run time by NVRTC) and the
+// host twin (eig_host.cpp, built by setup.py) run exactly this code, so CPU-only CI checks the
+// algorithm itself.
 //
 // Design envelope: eigenvalues only, real symmetric, n <= 256 (tuned for n = 128), float or
 // double. One "team" per matrix: a CUDA thread block on the device, a single thread on the host.
@@ -30,9 +31,28 @@
 // Error: backward stable, |lambda - lambda_exact| <= c(n) * eps * ||A||_2, like LAPACK xSYEVD.
 #pragma once
 
+#if defined(__CUDACC_RTC__)
+// NVRTC ships no C or C++ standard headers: the constants and the one type used below, spelled
+// exactly (hexadecimal literals, the values of <cfloat>; tests/test_eig_nvrtc.py checks them
+// against numpy.finfo). The math functions (sqrtf, fmaf, ldexpf, ...) are NVRTC built-ins.
+typedef long long int64_t;
+#define FLT_EPSILON 0x1p-23f
+#define FLT_MIN 0x1p-126f
+#define FLT_MAX 0x1.fffffep+127f
+#define FLT_MIN_EXP (-125)
+#define FLT_MAX_EXP 128
+#define DBL_EPSILON 0x1p-52
+#define DBL_MIN 0x1p-1022
+#define DBL_MAX 0x1.fffffffffffffp+1023
+#define DBL_MIN_EXP (-1021)
+#define DBL_MAX_EXP 1024
+#define INFINITY __int_as_float(0x7f800000)
+#define NAN __int_as_float(0x7fffffff)
+#else
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#endif
 
 #if defined(__CUDACC__)
 #define FS_HD __host__ __device__ __forceinline__
@@ -97,6 +117,7 @@ template <> struct Num<double> {
   static FS_HD int negative(double q) { return q < 0; }
 };
 
+#if !defined(__CUDACC_RTC__)  // host code: NVRTC compiles device code only
 // The serial team used by the host twin.
 struct HostTeam {
   int rank() const { return 0; }
@@ -105,6 +126,7 @@ struct HostTeam {
   template <class Real> Real sum(Real x) const { return x; }
   template <class Real> Real max(Real x) const { return x; }
 };
+#endif
 
 // Four consecutive entries of a team-shared vector; p must be 16-byte aligned on the device, where
 // it is one 128-bit broadcast load per warp (two for double) instead of four: these broadcasts
@@ -144,12 +166,14 @@ template <class Real> struct Work {
 
 constexpr int kGrid = 128;  // grid cells of the bisection's first, team-wide count pass
 
+#if !defined(__CUDACC_RTC__)
 // Reals of the six vectors of Work, d..p2, for the host twin (each n long, p2 >= kGrid).
 inline constexpr int64_t work_vector_elems(int64_t n) { return 5 * n + (n > kGrid ? n : kGrid); }
+#endif
 
 FS_HD constexpr int64_t round_up4(int64_t x) { return (x + 3) & ~int64_t(3); }
 
-// The CUDA kernel's layout of one block's work arrays (eig_cuda.cu; the team emulation in
+// The CUDA kernel's layout of one block's work arrays (eig_kernel.cu; the team emulation in
 // eig_host.cpp runs on the same): [the matrix, n rows of stride n + 1, when it lives here]
 // [d, e, v, w, v2: round_up4(n) each] [p2: max(round_up4(n), kGrid)]. Every vector starts
 // 16-byte aligned (load4, load2), w directly follows v, and the padded rows put a column's

@@ -60,7 +60,7 @@ class Barrier {
   unsigned gen_ = 0;
 };
 
-// BlockTeam (eig_cuda.cu) on threads: same rank/size, barriers, and reduction arithmetic.
+// BlockTeam (eig_kernel.cu) on threads: same rank/size, barriers, and reduction arithmetic.
 struct ThreadTeam {
   int me, nt;
   Barrier* bar;
@@ -102,7 +102,7 @@ template <class Real>
 void team_eigvalsh(const Real* in, Real* out, int64_t batch, int n, int64_t sb, int64_t sr, int64_t sc, int64_t osb) {
   int nt = (n + 31) / 32 * 32;
   if (nt > ThreadTeam::kMaxLanes) nt = ThreadTeam::kMaxLanes;
-  // the kernel's shared-memory layout (eig_cuda.cu with the matrix in shared memory)
+  // the kernel's shared-memory layout (eig_kernel.cu with the matrix in shared memory)
   std::vector<Real> sm(static_cast<size_t>(block_work_elems(n, true)));
   std::vector<Real> scratch(2 * ThreadTeam::kMaxLanes);
   const Work<Real> wk = block_work(sm.data(), static_cast<Real*>(nullptr), n);

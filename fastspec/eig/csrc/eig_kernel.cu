@@ -1,0 +1,110 @@
+// eig_kernel.cu — batched eigenvalues of real symmetric matrices, one thread block per matrix.
+// Device code only: compiled at first use by NVRTC (fastspec/eig/nvrtc.py), one cubin per
+// (n, dtype, layout, arch), with these macros set by the launcher (fastspec/eig/cuda.py):
+//   FS_REAL float | double, FS_N the matrix size, FS_SMEM 1 when the matrix sits in shared memory,
+//   FS_THREADS the block size, FS_MIN_BLOCKS the resident blocks the register budget is sized for.
+// n is a compile-time constant: every loop bound and row stride of eig_core.h folds, so every n
+// gets the constant row offsets that only n = 128 had when n was a run-time argument.
+//
+// Design envelope: n <= 256, aimed at n = 128 and batches of 256..4096 (one probe of a 1.5B
+// model). fp32 and fp64. The per-matrix numerics are eig_core.h (shared with the host twin).
+//   * block = round_up(n, 32) threads, capped at 256 (FS_THREADS): one matrix column (and later one
+//     eigenvalue) per thread. Reductions: warp shuffles + one shared word per warp, two
+//     alternating scratch halves (one barrier per reduction).
+//   * the full matrix sits in shared memory when it fits, rows padded to n + 1 (a column's entries
+//     in distinct banks): fp32 n <= 237, fp64 n <= 166 within the 227 KiB H100 opt-in; otherwise
+//     a global workspace of one n x n matrix per resident block (L1/L2 cached; correct, but this
+//     is where the kernel stops being good). Whether it does is a compile-time constant, so the
+//     compiler knows the address space: LDS/STS, no generic LD/ST (tests/test_eig_sass.py).
+//   * 67.75 KiB of shared memory per 128 x 128 fp32 block, carveout set to all-shared: 3 blocks
+//     (12 warps) per H100 SM; launch bounds ask for 3 (FS_MIN_BLOCKS; no spills on sm_90).
+//
+// Cost model, fp32 n = 128, 4 warps per matrix (SASS from NVRTC 13 for sm_90, counted by
+// fastspec.bench.sass; tests/test_eig_sass.py keeps the counts honest). Per matrix:
+//   * tridiagonalization, one fused pass per reflector (rank-2 update of reflector j-1 + p of
+//     reflector j): 2.75 shared wavefronts per element and warp (3 FFMA, LDS + STS of the
+//     element, 3/4 LDS.128 broadcast of u, w, u_next) and 6.75-6.9 instructions (54-55 per
+//     8-row iteration: n, and so the row stride, is a compile-time constant). Sum over
+//     reflectors of warps x rows: 26.0k warp-iterations -> ~178k instructions, ~72k wavefronts.
+//     Per-reflector rest (column update, reflector, w, 5 barriers):
+//     ~120 instructions per warp -> ~60k. (Before: a generic-pointer p pass + a separate update,
+//     ~16 instructions and 3.75 accesses per element, 7 barriers per reflector.)
+//   * eigenvalues: one Sturm sweep at 127 grid points brackets each eigenvalue to 1/128 of the
+//     Gerschgorin interval, then ~18 bisection sweeps of 128 steps; one step = 7.3 (NVRTC
+//     13.5) to 7.9 (13.0) instructions (LDS.64 of (e^2, d), FADD, MUFU.RCP, FFMA, pivmin guard, sign-bit count; no
+//     IEEE-division slow path; the loop unrolled, n being known) -> ~71-77k instructions, ~10k
+//     wavefronts. Rank sort: ~3k.
+//   * load (coalesced row reads, 8 rows in flight per thread) + exact power-of-two scaling: ~12k.
+//   => ~325-330k warp instructions and ~83k shared wavefronts per matrix. An SM issues 4 warp
+//      instructions and one shared wavefront per cycle: ~82k cycles issue bound, ~83k shared
+//      bound. 4096 matrices = 31 per SM: PREDICTED ~1.3-1.5 ms on H100 SXM (1.75-1.98 GHz),
+//      if 12 warps per SM hide the latencies. Target <= 2 ms; the 1 ms stretch needs the matrix
+//      in registers (2 threads per column, no LDS/STS of the element: ~4 instructions per
+//      element and reflector). NOT MEASURED on a GPU yet.
+//   * n > 256 (up to 1024) runs, on the workspace path; fastspec.eigvalsh's "auto" sends it to
+//     torch.linalg.eigvalsh.
+// No headers at all (NVRTC has none): raw device pointers and element strides.
+#include "eig_core.h"
+
+#if !defined(FS_REAL) || !defined(FS_N) || !defined(FS_SMEM) || !defined(FS_THREADS) || !defined(FS_MIN_BLOCKS)
+#error "compiled by fastspec/eig/nvrtc.py: it defines FS_REAL, FS_N, FS_SMEM, FS_THREADS, FS_MIN_BLOCKS"
+#endif
+
+namespace fastspec {
+
+// Team = the thread block of kSize threads, a multiple of 32 (full-warp shuffles). The size is a
+// compile-time constant: strided loops over n <= kSize members become one predicated pass.
+template <int kSize> struct BlockTeam {
+  static_assert(kSize % 32 == 0 && kSize > 0 && kSize <= 1024, "block size: a multiple of 32");
+  void* scratch;  // >= 64 reals of shared memory
+  mutable unsigned parity;  // which half of scratch the next reduction uses
+  __device__ int rank() const { return threadIdx.x; }
+  __device__ int size() const { return kSize; }
+  __device__ void sync() const { __syncthreads(); }
+
+  template <class Real, class Op> __device__ Real reduce(Real x, Op op) const {
+    for (int o = 16; o > 0; o >>= 1) x = op(x, __shfl_xor_sync(0xffffffffu, x, o));
+    // two scratch halves, alternating: one barrier per reduction. Reduction i + 2 reuses the half
+    // of reduction i only after every thread has passed reduction i + 1's barrier, which each
+    // reaches after folding reduction i's totals (all threads run the same reductions in order).
+    Real* s = static_cast<Real*>(scratch) + (parity++ & 1u) * 32;
+    if ((threadIdx.x & 31) == 0) s[threadIdx.x >> 5] = x;
+    __syncthreads();
+    // every thread folds the warp totals in the same order: bitwise-identical result everywhere,
+    // so branches on it are block-uniform
+    Real t = s[0];
+    for (int i = 1; i < kSize / 32; ++i) t = op(t, s[i]);
+    return t;
+  }
+  template <class Real> __device__ Real sum(Real x) const {
+    return reduce(x, [](Real a, Real b) { return a + b; });
+  }
+  template <class Real> __device__ Real max(Real x) const {
+    return reduce(x, [](Real a, Real b) { return a > b ? a : b; });  // inf propagates, NaN never enters
+  }
+};
+
+}  // namespace fastspec
+
+// The one entry point of a compiled variant (extern "C": an unmangled name to look up).
+// in: batch matrices [n, n] at in + b*sb, element (r, c) at r*sr + c*sc (lower triangle read);
+// out: batch vectors [n] at out + b*osb, ascending. Strides in elements. work: one n x n matrix per
+// block of the grid when FS_SMEM is 0 (unused otherwise). Dynamic shared memory:
+// sizeof(FS_REAL) * (block_work_elems(FS_N, FS_SMEM) + 64) bytes (fastspec/eig/cuda.py's plan).
+extern "C" __global__ void __launch_bounds__(FS_THREADS, FS_MIN_BLOCKS)
+fastspec_eigvalsh(const FS_REAL* __restrict__ in, FS_REAL* __restrict__ out, FS_REAL* work, long long batch,
+                  long long sb, long long sr, long long sc, long long osb) {
+  using namespace fastspec;
+  // The matrix's location is a compile-time constant, not a run-time choice: with FS_SMEM the
+  // compiler sees every matrix pointer derive from the __shared__ array and emits LDS/STS (a
+  // run-time select between shared and global memory compiles to generic LD/ST, slower on every
+  // access).
+  extern __shared__ __align__(16) double smem_f64[];
+  FS_REAL* sm = reinterpret_cast<FS_REAL*>(smem_f64);
+  const bool in_smem = FS_SMEM != 0;
+  const Work<FS_REAL> wk =
+      block_work(sm, in_smem ? nullptr : work + static_cast<int64_t>(blockIdx.x) * FS_N * FS_N, FS_N);
+  const BlockTeam<FS_THREADS> team{sm + block_work_elems(FS_N, in_smem), 0u};  // scratch after the work arrays
+  for (int64_t b = blockIdx.x; b < batch; b += gridDim.x)
+    eigvalsh_one(team, in + b * sb, sr, sc, FS_N, out + b * osb, wk);
+}

@@ -1,0 +1,319 @@
+"""Launcher of the CUDA eigensolver: launch plan, NVRTC image -> driver kernel, launch on torch's stream.
+
+``eigvalsh(A)`` for CUDA ``A: [..., n, n]`` float32/float64 -> ``[..., n]`` ascending (lower
+triangle read). The kernel (``fastspec/eig/csrc/eig_kernel.cu``) is compiled by :mod:`.nvrtc` for the device's
+arch and this ``(n, dtype)`` on first use, loaded with ``cuLibraryLoadData`` (context-independent:
+one load serves every device) and launched with ``cuLaunchKernel`` on
+``torch.cuda.current_stream()``: asynchronous, no host sync, capturable in a CUDA graph once
+the first call (compile and load) has happened outside the capture.
+
+The plan (what :func:`plan` decides per problem, from :class:`DeviceSpec`):
+
+* threads = ``round_up(n, 32)``, at most 256: one column, later one eigenvalue, per thread;
+* the matrix in shared memory when ``sizeof(real) * (block_work_elems(n) + 64)`` fits the
+  per-block opt-in (227 KiB on H100: fp32 n <= 237, fp64 n <= 166); else a global workspace of
+  one n x n matrix per block, the grid capped at 4 blocks per SM;
+* register budget (launch bounds): sized for the blocks that shared memory lets reside on one SM
+  (at most 4 on the workspace path), but never below 128 registers per thread (512 threads'
+  worth of the 64K register file): no spills on sm_80/sm_90 from NVRTC 13.0 or 13.5.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .._trace import assume_constant_result
+from . import nvrtc
+from .nvrtc import KernelUnavailable, Variant
+
+AUTO_MAX_N = 256  # design envelope: "auto" solves n <= 256 here, larger n with torch.linalg
+MAX_N = 1024      # hard limit (backend="cuda"): six shared vectors of n reals beside the matrix
+MAX_THREADS = 256
+KGRID = 128       # eig_core.h's kGrid: the bisection's grid counts need max(n, 128) reals
+SCRATCH = 64      # reals of reduction scratch after the work arrays (BlockTeam::reduce)
+RESERVED_SMEM = 1024  # shared memory the driver keeps per block on sm_80 and newer
+ITEMSIZE = {"float32": 4, "float64": 8}
+REGISTER_THREADS = 512  # threads per SM the 64K registers are sized for at most: >= 128 per thread
+
+
+def _round_up4(x: int) -> int:
+    return (x + 3) & ~3
+
+
+def block_work_elems(n: int, matrix_here: bool) -> int:
+    """Reals of one block's work arrays: eig_core.h's ``block_work_elems`` (the two are checked
+    equal by tests/test_eig_nvrtc.py): ``[matrix n x (n + 1)] [d, e, v, w, v2] [p2]``."""
+    n4 = _round_up4(n)
+    return (_round_up4(n * (n + 1)) if matrix_here else 0) + 5 * n4 + max(n4, KGRID)
+
+
+def smem_bytes(n: int, dtype: str, matrix_here: bool) -> int:
+    """Dynamic shared memory of one block: the work arrays, then the reduction scratch."""
+    return ITEMSIZE[dtype] * (block_work_elems(n, matrix_here) + SCRATCH)
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """What the plan needs of a GPU."""
+
+    cc: int               # compute capability, major * 10 + minor
+    smem_optin: int       # bytes of shared memory one block may opt in to
+    smem_per_sm: int      # bytes of shared memory per SM
+    sms: int              # multiprocessors
+
+    @classmethod
+    def of_device(cls, index: int) -> DeviceSpec:
+        p = torch.cuda.get_device_properties(index)
+        return cls(p.major * 10 + p.minor, p.shared_memory_per_block_optin, p.shared_memory_per_multiprocessor,
+                   p.multi_processor_count)
+
+    @classmethod
+    def for_arch(cls, cc: int) -> DeviceSpec:
+        """A GPU of this arch without one at hand (ahead-of-time compiles, CPU tests): its shared
+        memory from NVIDIA's tuning guides, the SM count of its largest part."""
+        kib = {80: (163, 164, 108), 86: (99, 100, 84), 87: (163, 164, 16), 89: (99, 100, 128),
+               90: (227, 228, 132), 100: (227, 228, 148), 103: (227, 228, 148), 110: (227, 228, 20),
+               120: (99, 100, 188), 121: (99, 100, 48)}
+        if cc not in kib:
+            raise ValueError(f"cc: no shared-memory table for sm_{cc}; known: {sorted(kib)}")
+        optin, per_sm, sms = kib[cc]
+        return cls(cc, optin * 1024, per_sm * 1024, sms)
+
+
+def variant_for(n: int, dtype: str, spec: DeviceSpec) -> Variant:
+    """The compile-time specialization for ``n`` and ``dtype`` on this GPU."""
+    if not 1 <= n <= MAX_N:
+        raise ValueError(f"n: must be in [1, {MAX_N}], got {n}")
+    threads = min(-(-n // 32) * 32, MAX_THREADS)
+    smem = smem_bytes(n, dtype, True) <= spec.smem_optin
+    resident = spec.smem_per_sm // (smem_bytes(n, dtype, smem) + RESERVED_SMEM)
+    if not smem:
+        resident = min(resident, 4)  # the workspace grid's blocks per SM
+    # never fewer than 128 registers per thread: with n a compile-time constant the loops unroll
+    # further, and at 64-93 registers NVRTC 13.0 spills (float32 n = 64 and n = 240 for sm_90,
+    # float64 at most sizes)
+    return Variant(dtype, n, smem, threads, max(1, min(resident, REGISTER_THREADS // threads)))
+
+
+@dataclass(frozen=True)
+class Plan:
+    variant: Variant
+    smem: int        # dynamic shared memory per block, bytes
+    grid: int
+    workspace: int   # reals of global workspace (0 when the matrix is in shared memory)
+
+
+def plan(batch: int, n: int, dtype: str, spec: DeviceSpec) -> Plan:
+    v = variant_for(n, dtype, spec)
+    grid = min(batch, 2**31 - 1) if v.smem else min(batch, 4 * spec.sms)
+    return Plan(v, smem_bytes(n, dtype, v.smem), grid, 0 if v.smem else grid * n * n)
+
+
+# --- the driver --------------------------------------------------------------------------------
+
+
+def _driver():
+    try:
+        from cuda.bindings import driver  # noqa: PLC0415 - optional, imported on first use
+    except ImportError as exc:
+        raise KernelUnavailable(f"cuda-bindings is not installed ({exc}); {nvrtc.install_hint()}") from None
+    return driver
+
+
+def _check(result, what: str):
+    """Unpack a ``cuda.bindings.driver`` call's ``(CUresult, *values)``; raise on failure."""
+    status, *values = result if isinstance(result, tuple) else (result,)
+    if int(status) != 0:
+        raise KernelUnavailable(f"CUDA driver {what} failed: {getattr(status, 'name', status)}")
+    return values[0] if len(values) == 1 else tuple(values) if values else None
+
+
+@dataclass
+class _Loaded:
+    kernel: object          # CUkernel
+    library: object         # CUlibrary, kept alive with the kernel
+    devices: set            # ordinals whose attributes are set
+
+
+_lock = threading.Lock()
+_loaded: dict[tuple[Variant, int], _Loaded] = {}  # (variant, target arch) -> the loaded kernel
+_specs: dict[int, DeviceSpec] = {}
+_targets: dict[int, nvrtc.Target] = {}
+_driver_ready: list[bool] = []
+
+
+@assume_constant_result
+def _binding_status() -> tuple[bool, str]:
+    """Whether the binding and NVRTC are here (no GPU or driver needed); asked once."""
+    try:
+        _driver()
+        major, minor = nvrtc.version()
+    except KernelUnavailable as exc:
+        return False, str(exc)
+    return True, f"NVRTC {major}.{minor}"
+
+
+_binding: list[tuple[bool, str]] = []
+
+
+def status() -> tuple[bool, str]:
+    """``(available, reason)`` of the CUDA backend in this process (cheap after the first call)."""
+    if not _binding:
+        _binding.append(_binding_status())
+    ok, why = _binding[0]
+    if not ok:
+        return False, why
+    if not torch.cuda.is_available():
+        return False, f"no CUDA device visible to torch ({why} is here to compile the kernel)"
+    return True, f"batched block-per-matrix kernel compiled by {why} at first use, float32/float64, n <= {MAX_N}"
+
+
+def build_info() -> dict[str, object]:
+    """Whether the kernel can be compiled here, for which arch, and where the cache is
+    (``fastspec info``)."""
+    folder = nvrtc.cache_dir()
+    info: dict[str, object] = {"compiler": None, "binding": None, "target": None, "cache": str(folder),
+                               "cache_writable": _writable(folder),
+                               "cached_kernels": len(list(folder.glob("eigvalsh-*"))) if folder.is_dir() else 0}
+    try:
+        driver = _driver()
+        ver = nvrtc.version()
+        archs = nvrtc.supported_archs()
+    except KernelUnavailable as exc:
+        info["reason"] = str(exc)
+        return info
+    import cuda.bindings  # noqa: PLC0415 - present: _driver() imported it
+
+    info["compiler"] = f"NVRTC {ver[0]}.{ver[1]}"
+    info["binding"] = f"cuda-bindings {getattr(cuda.bindings, '__version__', '?')}"
+    info["archs"] = archs
+    del driver
+    if torch.cuda.is_available():
+        cc = DeviceSpec.of_device(torch.cuda.current_device()).cc
+        try:
+            info["target"] = nvrtc.choose_target(cc, archs).name
+        except KernelUnavailable as exc:
+            info["reason"] = str(exc)
+    return info
+
+
+def _writable(folder) -> bool:
+    import os  # noqa: PLC0415
+
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return probe.is_dir() and os.access(probe, os.W_OK | os.X_OK)
+
+
+def _device_setup(index: int) -> tuple[DeviceSpec, nvrtc.Target]:
+    if index not in _specs:
+        spec = DeviceSpec.of_device(index)
+        _targets[index] = nvrtc.choose_target(spec.cc)
+        _specs[index] = spec
+    return _specs[index], _targets[index]
+
+
+def _init_driver(driver) -> None:
+    if not _driver_ready:
+        _check(driver.cuInit(0), "cuInit")
+        version = _check(driver.cuDriverGetVersion(), "cuDriverGetVersion")
+        if version < 12000:  # cuLibraryLoadData and cuKernelSetAttribute are CUDA 12.0 driver APIs
+            raise KernelUnavailable(f"the NVIDIA driver supports CUDA {version // 1000}.{version % 1000 // 10}; "
+                                    "the eigensolver's run-time loading needs a driver for CUDA 12.0 or newer")
+        _driver_ready.append(True)
+
+
+_thread = threading.local()
+
+
+def _ensure_context(driver, index: int) -> None:
+    """Device ``index``'s primary context (torch's) current on this thread for the driver API:
+    torch's caching allocator may serve a thread its tensors without ever making it current."""
+    seen = getattr(_thread, "devices", None)
+    if seen is None:
+        seen = _thread.devices = set()
+    if index in seen:
+        return
+    ctx = _check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    dev = _check(driver.cuDeviceGet(index), "cuDeviceGet")
+    primary = _check(driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+    if int(ctx) != int(primary):
+        _check(driver.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
+    _check(driver.cuDevicePrimaryCtxRelease(dev), "cuDevicePrimaryCtxRelease")  # torch holds it alive
+    seen.add(index)
+
+
+def prepare(n: int, dtype: torch.dtype | str, index: int) -> tuple[_Loaded, Plan]:
+    """Compile (or find in the cache), load and configure the kernel for ``n``/``dtype`` on device
+    ``index``; returns it with the plan of a one-matrix batch. KernelUnavailable with the reason."""
+    dt = str(dtype).removeprefix("torch.")
+    if dt not in ITEMSIZE:
+        raise KernelUnavailable(f"the CUDA eigensolver takes float32/float64, got {dt}")
+    driver = _driver()
+    with _lock:
+        spec, target = _device_setup(index)
+        p = plan(1, n, dt, spec)
+        key = (p.variant, target.arch)
+        entry = _loaded.get(key)
+        if entry is None:
+            image = nvrtc.compile_variant(p.variant, target)
+            _init_driver(driver)
+            # context-independent loading: one library for every device; the driver loads the
+            # kernel into a context at its first launch there
+            lib = _check(driver.cuLibraryLoadData(image.data, None, None, 0, None, None, 0),
+                         f"loading the compiled eigensolver ({image.path or 'in memory'})")
+            kernel = _check(driver.cuLibraryGetKernel(lib, nvrtc.ENTRY.encode()), "cuLibraryGetKernel")
+            entry = _loaded[key] = _Loaded(kernel, lib, set())
+        if index not in entry.devices:
+            dev = _check(driver.cuDeviceGet(index), "cuDeviceGet")
+            attr = driver.CUfunction_attribute
+            _check(driver.cuKernelSetAttribute(attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, p.smem,
+                                               entry.kernel, dev), "setting the kernel's shared memory")
+            # all of the unified L1/shared array as shared memory: the default carveout may leave
+            # room for fewer resident blocks than the shared-memory footprint allows
+            _check(driver.cuKernelSetAttribute(attr.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100,
+                                               entry.kernel, dev), "setting the kernel's carveout")
+            entry.devices.add(index)
+    return entry, p
+
+
+def launch_args(in_ptr: int, out_ptr: int, work_ptr: int, batch: int, strides: tuple[int, int, int],
+                out_stride: int) -> list:
+    """The kernel's parameters as ctypes values, in the order and widths of ``fastspec_eigvalsh``:
+    three pointers, then batch and four strides as 64-bit integers (tests compare this with the
+    parameter list NVRTC's PTX declares)."""
+    sb, sr, sc = strides
+    return [ctypes.c_void_p(in_ptr), ctypes.c_void_p(out_ptr), ctypes.c_void_p(work_ptr),
+            *(ctypes.c_longlong(v) for v in (batch, sb, sr, sc, out_stride))]
+
+
+def eigvalsh(A: Tensor) -> Tensor:
+    """Eigenvalues ``[..., n]`` (ascending) of CUDA ``A: [..., n, n]`` float32/float64 (lower
+    triangle), asynchronous on the current stream of ``A``'s device."""
+    n = A.shape[-1]
+    A3 = A.reshape(math.prod(A.shape[:-2]), n, n)  # a view where the strides allow
+    out = torch.empty(A3.shape[:2], dtype=A.dtype, device=A.device)
+    B = A3.shape[0]
+    if B == 0 or n == 0:
+        return out.reshape(A.shape[:-1])
+    index = A.device.index if A.device.index is not None else torch.cuda.current_device()
+    entry, p1 = prepare(n, A.dtype, index)
+    p = plan(B, n, p1.variant.dtype, _specs[index])
+    work = torch.empty(p.workspace, dtype=A.dtype, device=A.device) if p.workspace else None
+    args = launch_args(A3.data_ptr(), out.data_ptr(), work.data_ptr() if work is not None else 0, B, A3.stride(),
+                       out.stride(0))
+    params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
+    driver = _driver()
+    with torch.cuda.device(index):
+        _ensure_context(driver, index)
+        stream = torch.cuda.current_stream(index).cuda_stream
+        # the driver copies the parameter values during this call: args may go out of scope after
+        _check(driver.cuLaunchKernel(entry.kernel, p.grid, 1, 1, p.variant.threads, 1, 1, p.smem, stream,
+                                     ctypes.addressof(params), 0), "cuLaunchKernel")
+    return out.reshape(A.shape[:-1])

@@ -1,0 +1,319 @@
+"""Run-time compilation of the CUDA eigensolver (``fastspec/eig/csrc/eig_kernel.cu``) with NVRTC, cached on disk.
+
+Why at run time: every CUDA build of PyTorch ships NVRTC, NVIDIA's run-time compiler, and no
+CUDA toolkit is needed to use it; so ``pip install fastspec`` needs no ``nvcc`` and every CUDA
+install gets the kernel, compiled for exactly the GPU it runs on. The binding is NVIDIA's
+``cuda-bindings`` (``cuda.bindings.nvrtc`` here, ``cuda.bindings.driver`` in :mod:`.cuda`): public,
+maintained with the toolkit, and a dependency of PyTorch's own CUDA 13 wheels (docs/kernels.md
+says why not CuPy or ``torch.cuda._compile_kernel``). Nothing here needs a GPU or the driver:
+CPU-only CI compiles for sm_80 and sm_90 through exactly this path (``tests/test_eig_sass.py``).
+
+One compiled image per :class:`Variant` (n, dtype, layout, block size, register budget: each a
+compile-time constant of the kernel) and :class:`Target` (``sm_XX`` cubin, or PTX for
+``compute_XX`` when the GPU is newer than this NVRTC knows; the driver then finishes it).
+
+The cache: ``$FASTSPEC_CACHE/eig`` (default ``$XDG_CACHE_HOME/fastspec/eig``, else
+``~/.cache/fastspec/eig``); one file per image, named by the variant and target and keyed by a
+hash of the sources, the target, the NVRTC version and the options. Files are written to a
+temporary name and renamed, so processes and ranks compiling at once never read half a file;
+each starts with the SHA-256 of its payload, and a file that fails the check is compiled again
+and replaced. A cache folder that cannot be written leaves the images in memory (one warning).
+A compile error raises :class:`KernelUnavailable` naming the file that holds NVRTC's log.
+
+``python -m fastspec.eig.precompile --arch 90`` compiles ahead of time (:mod:`.precompile`).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("fastspec")
+
+CSRC = Path(__file__).with_name("csrc")
+KERNEL_SOURCE, CORE_HEADER = "eig_kernel.cu", "eig_core.h"
+ENTRY = "fastspec_eigvalsh"  # the kernel's extern "C" name
+FORMAT = b"fastspec-eig-image-1\n"  # first line of every cache file; a new format is a new key
+OPTIONS = ("-std=c++17", "--generate-line-info")  # line info: Nsight Compute's source view; no cost
+_REALS = {"float32": "float", "float64": "double"}
+
+
+class KernelUnavailable(RuntimeError):
+    """The CUDA kernel cannot be had here: the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What one image is specialized for (the kernel's ``FS_*`` macros)."""
+
+    dtype: str        # "float32" | "float64"
+    n: int            # matrix size
+    smem: bool        # the matrix in shared memory (else a global workspace)
+    threads: int      # block size: round_up(n, 32), at most 256
+    min_blocks: int   # resident blocks per SM the register budget is sized for (launch bounds)
+
+    def defines(self) -> list[str]:
+        return [f"-DFS_REAL={_REALS[self.dtype]}", f"-DFS_N={self.n}", f"-DFS_SMEM={int(self.smem)}",
+                f"-DFS_THREADS={self.threads}", f"-DFS_MIN_BLOCKS={self.min_blocks}"]
+
+    @property
+    def tag(self) -> str:
+        return f"{self.dtype}-n{self.n}-{'smem' if self.smem else 'global'}-t{self.threads}-b{self.min_blocks}"
+
+
+@dataclass(frozen=True)
+class Target:
+    """What NVRTC generates: a cubin for ``sm_<arch>``, or PTX for ``compute_<arch>``."""
+
+    arch: int   # compute capability as major * 10 + minor (90 for an H100)
+    ptx: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{'compute' if self.ptx else 'sm'}_{self.arch}"
+
+    @property
+    def option(self) -> str:
+        return f"--gpu-architecture={self.name}"
+
+
+@dataclass(frozen=True)
+class Image:
+    """A compiled kernel: ``data`` is a cubin or PTX (NUL-terminated) for the driver to load."""
+
+    variant: Variant
+    target: Target
+    data: bytes
+    origin: str       # "nvrtc" (compiled now), "disk" (cache file), "memory" (this process)
+    seconds: float    # compile, or read and verify
+    path: Path | None  # the cache file, None when the cache is not writable
+    log: str = ""     # NVRTC's log of a compile in this process (ptxas lines with -v)
+
+
+_lock = threading.Lock()
+_memory: dict[str, Image] = {}
+_warned_unwritable: set[str] = set()
+
+
+# --- the binding ------------------------------------------------------------------------------
+
+
+def _nvrtc():
+    """``cuda.bindings.nvrtc``, or KernelUnavailable saying what to install."""
+    try:
+        from cuda.bindings import nvrtc  # noqa: PLC0415 - optional, imported on first use
+    except ImportError as exc:
+        raise KernelUnavailable(f"cuda-bindings is not installed ({exc}); {install_hint()}") from None
+    return nvrtc
+
+
+def install_hint() -> str:
+    """The install line that brings the binding and NVRTC for this torch's CUDA major version."""
+    import torch  # noqa: PLC0415 - torch is imported by then anyway
+
+    major = (torch.version.cuda or "13").split(".")[0]
+    nvrtc = "nvidia-cuda-nvrtc" if int(major) >= 13 else f"nvidia-cuda-nvrtc-cu{major}"
+    return f"pip install 'cuda-bindings=={major}.*' {nvrtc} (PyTorch's CUDA {major} wheels bring NVRTC already)"
+
+
+def _call(result, what: str):
+    """Unpack a ``cuda.bindings.nvrtc`` call's ``(status, *values)``; raise on a failed status."""
+    status, *values = result if isinstance(result, tuple) else (result,)
+    if int(status) != 0:
+        raise KernelUnavailable(f"NVRTC {what} failed: {getattr(status, 'name', status)}")
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def version() -> tuple[int, int]:
+    """NVRTC's ``(major, minor)``; KernelUnavailable when the binding or the library is missing."""
+    nvrtc = _nvrtc()
+    try:
+        return tuple(_call(nvrtc.nvrtcVersion(), "version"))
+    except KernelUnavailable:
+        raise
+    except Exception as exc:  # the binding found no libnvrtc (cuda.pathfinder's error types vary)
+        raise KernelUnavailable(f"NVRTC library not found ({type(exc).__name__}: {exc}); {install_hint()}") from None
+
+
+def missing() -> str:
+    """Why NVRTC cannot compile here (the binding or the library is missing), "" when it can."""
+    try:
+        version()
+    except KernelUnavailable as exc:
+        return str(exc)
+    return ""
+
+
+def supported_archs() -> list[int]:
+    """Compute capabilities this NVRTC can generate code for, e.g. ``[75, 80, ..., 90, 100, 120]``."""
+    version()
+    return sorted(int(a) for a in _call(_nvrtc().nvrtcGetSupportedArchs(), "supported archs"))
+
+
+def choose_target(cc: int, supported: list[int] | None = None) -> Target:
+    """The target for a GPU of compute capability ``cc`` (e.g. 90): its own cubin when NVRTC
+    knows it; PTX for the newest arch NVRTC knows below it otherwise (the driver compiles that
+    PTX for the GPU at load time: a GPU newer than the NVRTC still gets the kernel)."""
+    supported = supported_archs() if supported is None else sorted(supported)
+    if cc in supported:
+        return Target(cc)
+    older = [a for a in supported if a < cc]
+    if not older:
+        raise KernelUnavailable(f"NVRTC {'.'.join(map(str, version()))} cannot generate code for sm_{cc} "
+                                f"(it supports sm_{supported[0]} and newer)")
+    return Target(older[-1], ptx=True)
+
+
+# --- the cache ---------------------------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    """Where compiled images live: ``$FASTSPEC_CACHE/eig``, else the user's cache folder."""
+    root = os.environ.get("FASTSPEC_CACHE")
+    if not root:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+                            "fastspec")
+    return Path(root) / "eig"
+
+
+def sources() -> dict[str, str]:
+    """The kernel's source files, by name (what is compiled and what the key hashes)."""
+    return {name: (CSRC / name).read_text() for name in (KERNEL_SOURCE, CORE_HEADER)}
+
+
+def _options(variant: Variant, target: Target, extra: tuple[str, ...]) -> list[str]:
+    return [target.option, *OPTIONS, *variant.defines(), *extra]
+
+
+def _key(variant: Variant, target: Target, nvrtc_version: tuple[int, int], extra: tuple[str, ...]) -> str:
+    h = hashlib.sha256(FORMAT)
+    for name, text in sorted(sources().items()):
+        h.update(f"\0{name}\0{len(text)}\0".encode() + text.encode())
+    h.update(repr((nvrtc_version, _options(variant, target, extra))).encode())
+    return h.hexdigest()[:24]
+
+
+def _file_name(variant: Variant, target: Target, key: str) -> str:
+    return f"eigvalsh-{variant.tag}-{target.name}-{key}.{'ptx' if target.ptx else 'cubin'}"
+
+
+def _frame(payload: bytes) -> bytes:
+    return FORMAT + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
+
+
+def _unframe(blob: bytes) -> bytes | None:
+    """The payload of a cache file, or None when the file is truncated, altered or foreign."""
+    head = len(FORMAT) + 65
+    if len(blob) <= head or not blob.startswith(FORMAT) or blob[head - 1:head] != b"\n":
+        return None
+    payload = blob[head:]
+    return payload if hashlib.sha256(payload).hexdigest().encode() == blob[len(FORMAT):head - 1] else None
+
+
+def _write_atomic(path: Path, blob: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the whole new one
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _warn_unwritable(folder: Path, exc: OSError) -> None:
+    if str(folder) not in _warned_unwritable:
+        _warned_unwritable.add(str(folder))
+        log.warning("fastspec: kernel cache %s is not writable (%s); compiled eigensolver kernels stay in "
+                    "memory for this process (set FASTSPEC_CACHE to a writable folder)", folder, exc.strerror or exc)
+
+
+# --- compiling ---------------------------------------------------------------------------------
+
+
+def _compile(variant: Variant, target: Target, extra: tuple[str, ...]) -> tuple[bytes, str]:
+    """NVRTC: the sources -> (cubin or PTX, log). KernelUnavailable on a compile error, with the
+    log written to a file the message names."""
+    nvrtc = _nvrtc()
+    src = sources()
+    prog = _call(nvrtc.nvrtcCreateProgram(src[KERNEL_SOURCE].encode(), KERNEL_SOURCE.encode(), 1,
+                                          [src[CORE_HEADER].encode()], [CORE_HEADER.encode()]), "create program")
+    try:
+        opts = [o.encode() for o in _options(variant, target, extra)]
+        status = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]
+        # output buffers are bytearrays: the binding writes into whatever it is given, and a
+        # bytes object of length 0 or 1 is an interpreter-wide singleton (b" " * 1 is b" ")
+        buf = bytearray(_call(nvrtc.nvrtcGetProgramLogSize(prog), "log size"))
+        _call(nvrtc.nvrtcGetProgramLog(prog, buf), "log")
+        text = bytes(buf).rstrip(b"\0").decode(errors="replace")
+        if int(status) != 0:
+            where = _save_error_log(variant, target, text)
+            first = next((ln.strip() for ln in text.splitlines() if "error" in ln), text.strip()[:200])
+            raise KernelUnavailable(f"NVRTC could not compile the eigensolver ({variant.tag}, {target.name}): "
+                                    f"{first}; full log: {where}")
+        get_size, get = ((nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX) if target.ptx
+                         else (nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN))
+        out = bytearray(_call(get_size(prog), "image size"))
+        _call(get(prog, out), "image")
+        return bytes(out), text
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def _save_error_log(variant: Variant, target: Target, text: str) -> Path:
+    name = f"eigvalsh-{variant.tag}-{target.name}.error.log"
+    for folder in (cache_dir(), Path(tempfile.gettempdir())):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / name
+            path.write_text(text)
+            return path
+        except OSError:
+            continue
+    return Path("(log not saved: no writable folder)")
+
+
+def compile_variant(variant: Variant, target: Target, extra_options: tuple[str, ...] = ()) -> Image:
+    """The image for ``variant`` on ``target``: from this process, from the disk cache, or compiled
+    now (and cached). Thread-safe. KernelUnavailable when NVRTC is missing or the compile fails."""
+    ver = version()
+    key = _key(variant, target, ver, tuple(extra_options))
+    with _lock:
+        if key in _memory:
+            img = _memory[key]
+            return Image(img.variant, img.target, img.data, "memory", 0.0, img.path, img.log)
+        path = cache_dir() / _file_name(variant, target, key)
+        t0 = time.perf_counter()
+        try:
+            payload = _unframe(path.read_bytes())
+        except OSError:
+            payload = None
+        else:
+            if payload is None:
+                log.warning("fastspec: corrupt kernel cache file %s: compiling it again", path)
+        if payload is not None:
+            img = Image(variant, target, payload, "disk", time.perf_counter() - t0, path)
+        else:
+            t0 = time.perf_counter()
+            data, text = _compile(variant, target, tuple(extra_options))
+            seconds = time.perf_counter() - t0
+            try:
+                _write_atomic(path, _frame(data))
+            except OSError as exc:
+                _warn_unwritable(path.parent, exc)
+                path = None
+            img = Image(variant, target, data, "nvrtc", seconds, path, text)
+        _memory[key] = img
+        return img
+
+
+def forget() -> None:
+    """Drop the images kept in this process (tests: the next call reads the disk cache)."""
+    with _lock:
+        _memory.clear()
