@@ -259,6 +259,7 @@ def fake_gpu(monkeypatch, cache):
         monkeypatch.setattr(cuda, "_driver", lambda: drv)
         monkeypatch.setattr(cuda.DeviceSpec, "of_device", classmethod(lambda cls, index: H100))
         monkeypatch.setattr(cuda, "_loaded", {})
+        monkeypatch.setattr(cuda, "_failed", {})
         monkeypatch.setattr(cuda, "_specs", {})
         monkeypatch.setattr(cuda, "_targets", {})
         monkeypatch.setattr(cuda, "_driver_ready", [])
@@ -312,6 +313,25 @@ def test_old_driver_is_a_reason_not_a_crash(fake_gpu):
     fake_gpu(64, version=11080)
     with pytest.raises(nvrtc.KernelUnavailable, match="CUDA 12.0 or newer"):
         cuda.prepare(64, torch.float32, 0)
+
+
+@needs_ext
+def test_a_kernel_that_failed_is_not_compiled_again(fake_gpu, monkeypatch):
+    """Under "auto" every solve of that size falls back: it must not pay NVRTC again each time."""
+    fake_gpu(64)
+    calls = []
+
+    def broken(variant, target):
+        calls.append(variant)
+        raise nvrtc.KernelUnavailable("NVRTC could not compile the eigensolver (test); full log: /x.log")
+
+    monkeypatch.setattr(nvrtc, "compile_variant", broken)
+    for _ in range(3):
+        with pytest.raises(nvrtc.KernelUnavailable, match="could not compile"):
+            cuda.prepare(64, torch.float32, 0)
+    assert len(calls) == 1
+    A = torch.from_numpy(make_batch("spd", 64, 2)).float()
+    torch.testing.assert_close(native._cuda_or_torch(A), native.torch_eigvalsh(A))  # the op's fallback
 
 
 # ------------------------------------------------------------------------- fallbacks and status

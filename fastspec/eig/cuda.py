@@ -20,7 +20,9 @@ The plan (what :func:`plan` decides per problem, from :class:`DeviceSpec`):
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
 import math
+import os
 import threading
 from dataclasses import dataclass
 
@@ -142,6 +144,7 @@ class _Loaded:
 
 _lock = threading.Lock()
 _loaded: dict[tuple[Variant, int], _Loaded] = {}  # (variant, target arch) -> the loaded kernel
+_failed: dict[tuple[Variant, int], str] = {}      # (variant, target arch) -> why it cannot be had
 _specs: dict[int, DeviceSpec] = {}
 _targets: dict[int, nvrtc.Target] = {}
 _driver_ready: list[bool] = []
@@ -181,18 +184,19 @@ def build_info() -> dict[str, object]:
                                "cache_writable": _writable(folder),
                                "cached_kernels": len(list(folder.glob("eigvalsh-*"))) if folder.is_dir() else 0}
     try:
-        driver = _driver()
+        _driver()
         ver = nvrtc.version()
         archs = nvrtc.supported_archs()
     except KernelUnavailable as exc:
         info["reason"] = str(exc)
         return info
-    import cuda.bindings  # noqa: PLC0415 - present: _driver() imported it
-
+    try:
+        binding = importlib.metadata.version("cuda-bindings")
+    except importlib.metadata.PackageNotFoundError:  # importable, but not installed as a distribution
+        binding = "?"
     info["compiler"] = f"NVRTC {ver[0]}.{ver[1]}"
-    info["binding"] = f"cuda-bindings {getattr(cuda.bindings, '__version__', '?')}"
+    info["binding"] = f"cuda-bindings {binding}"
     info["archs"] = archs
-    del driver
     if torch.cuda.is_available():
         cc = DeviceSpec.of_device(torch.cuda.current_device()).cc
         try:
@@ -203,8 +207,7 @@ def build_info() -> dict[str, object]:
 
 
 def _writable(folder) -> bool:
-    import os  # noqa: PLC0415
-
+    """Whether ``folder`` can be written, or created under its nearest existing parent."""
     probe = folder
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
@@ -249,6 +252,17 @@ def _ensure_context(driver, index: int) -> None:
     seen.add(index)
 
 
+def _load(driver, variant: Variant, target: nvrtc.Target) -> _Loaded:
+    image = nvrtc.compile_variant(variant, target)
+    _init_driver(driver)
+    # context-independent loading: one library for every device; the driver loads the kernel
+    # into a context at its first launch there
+    lib = _check(driver.cuLibraryLoadData(image.data, None, None, 0, None, None, 0),
+                 f"loading the compiled eigensolver ({image.path or 'in memory'})")
+    kernel = _check(driver.cuLibraryGetKernel(lib, nvrtc.ENTRY.encode()), "cuLibraryGetKernel")
+    return _Loaded(kernel, lib, set())
+
+
 def prepare(n: int, dtype: torch.dtype | str, index: int) -> tuple[_Loaded, Plan]:
     """Compile (or find in the cache), load and configure the kernel for ``n``/``dtype`` on device
     ``index``; returns it with the plan of a one-matrix batch. KernelUnavailable with the reason."""
@@ -260,16 +274,15 @@ def prepare(n: int, dtype: torch.dtype | str, index: int) -> tuple[_Loaded, Plan
         spec, target = _device_setup(index)
         p = plan(1, n, dt, spec)
         key = (p.variant, target.arch)
+        if key in _failed:  # a kernel that could not be had is not tried again in this process
+            raise KernelUnavailable(_failed[key])
         entry = _loaded.get(key)
         if entry is None:
-            image = nvrtc.compile_variant(p.variant, target)
-            _init_driver(driver)
-            # context-independent loading: one library for every device; the driver loads the
-            # kernel into a context at its first launch there
-            lib = _check(driver.cuLibraryLoadData(image.data, None, None, 0, None, None, 0),
-                         f"loading the compiled eigensolver ({image.path or 'in memory'})")
-            kernel = _check(driver.cuLibraryGetKernel(lib, nvrtc.ENTRY.encode()), "cuLibraryGetKernel")
-            entry = _loaded[key] = _Loaded(kernel, lib, set())
+            try:
+                entry = _loaded[key] = _load(driver, p.variant, target)
+            except KernelUnavailable as exc:
+                _failed[key] = str(exc)
+                raise
         if index not in entry.devices:
             dev = _check(driver.cuDeviceGet(index), "cuDeviceGet")
             attr = driver.CUfunction_attribute
