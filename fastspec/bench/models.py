@@ -399,6 +399,14 @@ def train_step_case(tier: str, device: torch.device, emit_every: int, *, shape: 
             _reset_dynamo()  # compiled graphs of a failed depth must not keep its memory
         free_memory(device)
 
+    def release(inp: Inputs) -> None:
+        """After the case: the probe off, then dynamo's compiled graphs and guards dropped while
+        the models they guard are still alive. Dropping the models first leaves torch 2.11's guard
+        managers to clean up after dicts already freed (its dict-watcher cleanup has had
+        use-after-free bugs); a CI run aborted once right where this case's inputs were freed."""
+        detach_all()
+        _reset_dynamo()
+
     def setup() -> Inputs:
         notes.clear()
         inputs, fit = fit_layers(requested, build, trial, free=free)
@@ -429,4 +437,4 @@ def train_step_case(tier: str, device: torch.device, emit_every: int, *, shape: 
                 setup=setup, fastspec=probed, baselines={baseline: plain},
                 check=check, error_kind="|Δloss| with probe", skip=skip, notes=notes,
                 fastspec_context=streaming, overhead=True,
-                teardown=(lambda inp: detach_all()) if compiled else None)
+                teardown=release if compiled else None)
