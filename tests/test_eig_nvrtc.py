@@ -281,7 +281,7 @@ def test_launch_packs_pointers_and_strides_the_kernel_reads(fake_gpu, layout):
     # NaN above the diagonal, which the kernel never reads: a stride mixed up reads it
     M = base.tril() + torch.full_like(base, float("nan")).triu(1)
     A = {"contiguous": M, "transposed": M.mT.contiguous().mT, "batch-strided": torch.stack([M, M], 1)[:, 0]}[layout]
-    out = cuda.eigvalsh(A.reshape(2, 3, 100, 100) if layout == "contiguous" else A)
+    out = native.cuda_eigvalsh(A.reshape(2, 3, 100, 100) if layout == "contiguous" else A)
     torch.testing.assert_close(out.reshape(want.shape), want, atol=1e-4, rtol=0)
     (launch,) = drv.launches
     v = cuda.variant_for(100, "float32", H100)
@@ -289,7 +289,7 @@ def test_launch_packs_pointers_and_strides_the_kernel_reads(fake_gpu, layout):
     assert launch["smem"] == cuda.smem_bytes(100, "float32", True) == drv.attributes["max_dynamic_smem"]
     assert launch["stream"] == 1234 and launch["work"] == 0 and drv.attributes["carveout"] == 100
     assert drv.loaded == [b"\x7fELF"] and launch["kernel"] == ("kernel", nvrtc.ENTRY.encode())
-    cuda.eigvalsh(base)  # loaded once, configured once
+    native.cuda_eigvalsh(base)  # loaded once, configured once
     assert len(drv.loaded) == 1 and len(drv.launches) == 2
 
 
@@ -298,7 +298,7 @@ def test_launch_packs_pointers_and_strides_the_kernel_reads(fake_gpu, layout):
 def test_workspace_path_grid_and_buffer(fake_gpu):
     drv = fake_gpu(240)  # fp32 n = 240 does not fit in an H100 block's shared memory
     A = torch.from_numpy(make_batch("spd", 240, 3)).float()
-    out = cuda.eigvalsh(A)
+    out = native.cuda_eigvalsh(A)
     torch.testing.assert_close(out, torch.linalg.eigvalsh(A.double()).float(), atol=1e-4, rtol=0)
     (launch,) = drv.launches
     assert launch["work"] != 0 and launch["grid"] == (3, 1, 1)
@@ -331,7 +331,7 @@ def test_a_kernel_that_failed_is_not_compiled_again(fake_gpu, monkeypatch):
             cuda.prepare(64, torch.float32, 0)
     assert len(calls) == 1
     A = torch.from_numpy(make_batch("spd", 64, 2)).float()
-    torch.testing.assert_close(native._cuda_or_torch(A), native.torch_eigvalsh(A))  # the op's fallback
+    torch.testing.assert_close(native.cuda_eigvalsh(A), native.torch_eigvalsh(A))  # the op's fallback
 
 
 # ------------------------------------------------------------------------- fallbacks and status
@@ -358,15 +358,15 @@ def test_missing_nvrtc_library_gives_the_install_line(monkeypatch):
 
 
 def test_op_falls_back_to_torch_once_per_reason(monkeypatch, caplog):
-    def broken(A):
+    def broken(A3, out):
         raise nvrtc.KernelUnavailable("NVRTC could not compile the eigensolver (test)")
 
-    monkeypatch.setattr(cuda, "eigvalsh", broken)
+    monkeypatch.setattr(cuda, "launch", broken)
     monkeypatch.setattr(native, "_op_fallback_logged", [])
     A = torch.from_numpy(make_batch("spd", 16, 3)).float()
     with caplog.at_level(logging.WARNING, logger="fastspec"):
         for _ in range(3):
-            assert torch.equal(native._cuda_or_torch(A), native.torch_eigvalsh(A))
+            assert torch.equal(native.cuda_eigvalsh(A), native.torch_eigvalsh(A))
     lines = [r.getMessage() for r in caplog.records if r.name == "fastspec"]
     assert len(lines) == 1 and "could not compile" in lines[0] and "torch.linalg.eigvalsh" in lines[0]
 
@@ -374,7 +374,7 @@ def test_op_falls_back_to_torch_once_per_reason(monkeypatch, caplog):
 def test_explicit_cuda_backend_raises_with_the_reason(monkeypatch):
     monkeypatch.setattr(native, "status", lambda backend: (True, "pretend"))
 
-    def fail(n, dtype, index):
+    def fail(n, dtype, device):
         raise nvrtc.KernelUnavailable("NVRTC could not compile the eigensolver (test); full log: /x.log")
 
     monkeypatch.setattr(cuda, "prepare", fail)

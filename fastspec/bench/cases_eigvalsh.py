@@ -245,7 +245,7 @@ def compile_cases(tier: str, device: torch.device) -> list[Case]:
             nvrtc.forget()
             with _cache_at(folder):
                 if device.type == "cuda":
-                    index = device.index if device.index is not None else torch.cuda.current_device()
+                    index = cuda.device_index(device)
                     spec = cuda.DeviceSpec.of_device(index)
                     target = nvrtc.choose_target(spec.cc)
                     cuda._loaded.pop((cuda.variant_for(n, name, spec), target.arch), None)

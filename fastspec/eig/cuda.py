@@ -1,9 +1,10 @@
 """Launcher of the CUDA eigensolver: launch plan, NVRTC image -> driver kernel, launch on torch's stream.
 
-``eigvalsh(A)`` for CUDA ``A: [..., n, n]`` float32/float64 -> ``[..., n]`` ascending (lower
-triangle read). The kernel (``fastspec/eig/csrc/eig_kernel.cu``) is compiled by :mod:`.nvrtc` for the device's
-arch and this ``(n, dtype)`` on first use, loaded with ``cuLibraryLoadData`` (context-independent:
-one load serves every device) and launched with ``cuLaunchKernel`` on
+``launch(A3, out)`` for CUDA ``A3: [B, n, n]`` float32/float64 -> ``out: [B, n]`` ascending
+(lower triangle read; ``native.cuda_eigvalsh`` flattens ``[..., n, n]`` to it). The kernel
+(``fastspec/eig/csrc/eig_kernel.cu``) is compiled by :mod:`.nvrtc` for the device's arch and
+this ``(n, dtype)`` on first use, loaded with ``cuLibraryLoadData`` (context-independent: one
+load serves every device) and launched with ``cuLaunchKernel`` on
 ``torch.cuda.current_stream()``: asynchronous, no host sync, capturable in a CUDA graph once
 the first call (compile and load) has happened outside the capture.
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import importlib.metadata
-import math
 import os
 import threading
 from dataclasses import dataclass
@@ -120,19 +120,13 @@ def plan(batch: int, n: int, dtype: str, spec: DeviceSpec) -> Plan:
 
 
 def _driver():
-    try:
-        from cuda.bindings import driver  # noqa: PLC0415 - optional, imported on first use
-    except ImportError as exc:
-        raise KernelUnavailable(f"cuda-bindings is not installed ({exc}); {nvrtc.install_hint()}") from None
-    return driver
+    """``cuda.bindings.driver``, or KernelUnavailable saying what to install."""
+    return nvrtc.binding("driver")
 
 
 def _check(result, what: str):
     """Unpack a ``cuda.bindings.driver`` call's ``(CUresult, *values)``; raise on failure."""
-    status, *values = result if isinstance(result, tuple) else (result,)
-    if int(status) != 0:
-        raise KernelUnavailable(f"CUDA driver {what} failed: {getattr(status, 'name', status)}")
-    return values[0] if len(values) == 1 else tuple(values) if values else None
+    return nvrtc.unpack(result, f"CUDA driver {what}")
 
 
 @dataclass
@@ -263,16 +257,25 @@ def _load(driver, variant: Variant, target: nvrtc.Target) -> _Loaded:
     return _Loaded(kernel, lib, set())
 
 
-def prepare(n: int, dtype: torch.dtype | str, index: int) -> tuple[_Loaded, Plan]:
-    """Compile (or find in the cache), load and configure the kernel for ``n``/``dtype`` on device
-    ``index``; returns it with the plan of a one-matrix batch. KernelUnavailable with the reason."""
+def device_index(device: torch.device | int) -> int:
+    """The CUDA ordinal of ``device`` (the current device for a bare ``"cuda"``)."""
+    if isinstance(device, int):
+        return device
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def prepare(n: int, dtype: torch.dtype | str, device: torch.device | int, batch: int = 1) -> tuple[_Loaded, Plan]:
+    """Compile (or find in the cache), load and configure the kernel for ``n``/``dtype`` on
+    ``device``; returns it with the plan of a ``batch``-matrix solve. KernelUnavailable with the
+    reason."""
     dt = str(dtype).removeprefix("torch.")
     if dt not in ITEMSIZE:
         raise KernelUnavailable(f"the CUDA eigensolver takes float32/float64, got {dt}")
+    index = device_index(device)
     driver = _driver()
     with _lock:
         spec, target = _device_setup(index)
-        p = plan(1, n, dt, spec)
+        p = plan(batch, n, dt, spec)
         key = (p.variant, target.arch)
         if key in _failed:  # a kernel that could not be had is not tried again in this process
             raise KernelUnavailable(_failed[key])
@@ -306,19 +309,14 @@ def launch_args(in_ptr: int, out_ptr: int, work_ptr: int, batch: int, strides: t
             *(ctypes.c_longlong(v) for v in (batch, sb, sr, sc, out_stride))]
 
 
-def eigvalsh(A: Tensor) -> Tensor:
-    """Eigenvalues ``[..., n]`` (ascending) of CUDA ``A: [..., n, n]`` float32/float64 (lower
-    triangle), asynchronous on the current stream of ``A``'s device."""
-    n = A.shape[-1]
-    A3 = A.reshape(math.prod(A.shape[:-2]), n, n)  # a view where the strides allow
-    out = torch.empty(A3.shape[:2], dtype=A.dtype, device=A.device)
-    B = A3.shape[0]
-    if B == 0 or n == 0:
-        return out.reshape(A.shape[:-1])
-    index = A.device.index if A.device.index is not None else torch.cuda.current_device()
-    entry, p1 = prepare(n, A.dtype, index)
-    p = plan(B, n, p1.variant.dtype, _specs[index])
-    work = torch.empty(p.workspace, dtype=A.dtype, device=A.device) if p.workspace else None
+def launch(A3: Tensor, out: Tensor) -> None:
+    """Eigenvalues of ``A3: [B, n, n]`` (lower triangle, B and n >= 1, any strides) into
+    ``out: [B, n]`` (ascending, contiguous rows), asynchronous on the current stream of their
+    device; float32/float64."""
+    B, n = out.shape
+    index = device_index(A3.device)
+    entry, p = prepare(n, A3.dtype, index, batch=B)
+    work = torch.empty(p.workspace, dtype=A3.dtype, device=A3.device) if p.workspace else None
     args = launch_args(A3.data_ptr(), out.data_ptr(), work.data_ptr() if work is not None else 0, B, A3.stride(),
                        out.stride(0))
     params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
@@ -329,4 +327,3 @@ def eigvalsh(A: Tensor) -> Tensor:
         # the driver copies the parameter values during this call: args may go out of scope after
         _check(driver.cuLaunchKernel(entry.kernel, p.grid, 1, 1, p.variant.threads, 1, 1, p.smem, stream,
                                      ctypes.addressof(params), 0), "cuLaunchKernel")
-    return out.reshape(A.shape[:-1])

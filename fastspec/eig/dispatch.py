@@ -139,7 +139,7 @@ def _prepare_cuda(A: Tensor) -> None:
     if torch.compiler.is_compiling() or is_fake(A):
         return  # traced: the op compiles at its first real run
     try:
-        cuda.prepare(n, A.dtype, A.device.index if A.device.index is not None else torch.cuda.current_device())
+        cuda.prepare(n, A.dtype, A.device)
     except KernelUnavailable as exc:
         raise RuntimeError(f"backend: 'cuda' unavailable: {exc}") from None
 

@@ -61,12 +61,11 @@ def _require(backend: str) -> None:
         raise RuntimeError(f"eigvalsh backend={backend!r} unavailable: {reason}")
 
 
-def _flatten(A: Tensor, device_type: str) -> tuple[Tensor, Tensor]:
-    """``A: [..., n, n]`` -> ``(A3: [B, n, n], out: [B, n])`` after dtype/device checks."""
+def _flatten(A: Tensor) -> tuple[Tensor, Tensor]:
+    """``A: [..., n, n]`` -> ``(A3: [B, n, n], out: [B, n])`` on ``A``'s device, after the dtype
+    check. Both native backends launch on these."""
     if A.dtype not in DTYPES:
         raise TypeError(f"A: native eigvalsh takes float32/float64, got {A.dtype}")
-    if A.device.type != device_type:
-        raise ValueError(f"A: expected a {device_type} tensor, got device {A.device}")
     n = A.shape[-1]
     A3 = A.reshape(math.prod(A.shape[:-2]), n, n)  # not -1: ambiguous when n == 0
     return A3, torch.empty(A3.shape[:2], dtype=A.dtype, device=A.device)
@@ -75,7 +74,9 @@ def _flatten(A: Tensor, device_type: str) -> tuple[Tensor, Tensor]:
 def host_eigvalsh(A: Tensor) -> Tensor:
     """Host twin: eigenvalues of CPU ``A: [..., n, n]`` (lower triangle), ``[..., n]`` ascending."""
     _require("host")
-    A3, out = _flatten(A, "cpu")
+    if A.device.type != "cpu":
+        raise ValueError(f"A: expected a cpu tensor, got device {A.device}")
+    A3, out = _flatten(A)
     B, n = out.shape
     if B and n:
         f = _ext.host_eigvalsh_f32 if A.dtype == torch.float32 else _ext.host_eigvalsh_f64
@@ -86,19 +87,25 @@ def host_eigvalsh(A: Tensor) -> Tensor:
 @torch.library.custom_op("fastspec::eigvalsh", mutates_args=())
 def eigvalsh_op(A: Tensor) -> Tensor:
     """``torch.ops.fastspec.eigvalsh``: native solver on ``A``'s device (CUDA kernel or host twin)."""
-    return _cuda_or_torch(A) if A.device.type == "cuda" else host_eigvalsh(A)
+    return cuda_eigvalsh(A) if A.device.type == "cuda" else host_eigvalsh(A)
 
 
-def _cuda_or_torch(A: Tensor) -> Tensor:
-    """The CUDA kernel; torch.linalg when it cannot be had, said once per reason on the logger."""
-    try:
-        return _cuda.eigvalsh(A)
-    except KernelUnavailable as exc:
-        reason = str(exc)
-        if reason not in _op_fallback_logged:
-            _op_fallback_logged.append(reason)
-            log.warning("fastspec.eigvalsh: CUDA eigensolver unavailable (%s); using torch.linalg.eigvalsh", reason)
-        return torch_eigvalsh(A)
+def cuda_eigvalsh(A: Tensor) -> Tensor:
+    """CUDA kernel: eigenvalues of ``A: [..., n, n]`` (lower triangle), ``[..., n]`` ascending,
+    asynchronous on the current stream; torch.linalg when the kernel cannot be had, said once per
+    reason on the ``fastspec`` logger."""
+    A3, out = _flatten(A)
+    if out.numel():
+        try:
+            _cuda.launch(A3, out)
+        except KernelUnavailable as exc:
+            reason = str(exc)
+            if reason not in _op_fallback_logged:
+                _op_fallback_logged.append(reason)
+                log.warning("fastspec.eigvalsh: CUDA eigensolver unavailable (%s); using torch.linalg.eigvalsh",
+                            reason)
+            out.copy_(torch_eigvalsh(A3))
+    return out.reshape(A.shape[:-1])
 
 
 @eigvalsh_op.register_fake

@@ -25,6 +25,7 @@ A compile error raises :class:`KernelUnavailable` naming the file that holds NVR
 from __future__ import annotations
 
 import hashlib
+import importlib
 import logging
 import os
 import tempfile
@@ -103,13 +104,18 @@ _warned_unwritable: set[str] = set()
 # --- the binding ------------------------------------------------------------------------------
 
 
-def _nvrtc():
-    """``cuda.bindings.nvrtc``, or KernelUnavailable saying what to install."""
+def binding(module: str):
+    """``cuda.bindings.<module>`` (``nvrtc`` here, ``driver`` in :mod:`.cuda`), imported on first
+    use, or KernelUnavailable saying what to install."""
     try:
-        from cuda.bindings import nvrtc  # noqa: PLC0415 - optional, imported on first use
+        return importlib.import_module(f"cuda.bindings.{module}")
     except ImportError as exc:
         raise KernelUnavailable(f"cuda-bindings is not installed ({exc}); {install_hint()}") from None
-    return nvrtc
+
+
+def _nvrtc():
+    """``cuda.bindings.nvrtc``, or KernelUnavailable saying what to install."""
+    return binding("nvrtc")
 
 
 def install_hint() -> str:
@@ -121,12 +127,18 @@ def install_hint() -> str:
     return f"pip install 'cuda-bindings=={major}.*' {nvrtc} (PyTorch's CUDA {major} wheels bring NVRTC already)"
 
 
-def _call(result, what: str):
-    """Unpack a ``cuda.bindings.nvrtc`` call's ``(status, *values)``; raise on a failed status."""
+def unpack(result, what: str):
+    """A ``cuda.bindings`` call's ``(status, *values)`` -> its value (a tuple of several, None of
+    none); KernelUnavailable ``"<what> failed: <status name>"`` on a failed status."""
     status, *values = result if isinstance(result, tuple) else (result,)
     if int(status) != 0:
-        raise KernelUnavailable(f"NVRTC {what} failed: {getattr(status, 'name', status)}")
-    return values[0] if len(values) == 1 else tuple(values)
+        raise KernelUnavailable(f"{what} failed: {getattr(status, 'name', status)}")
+    return values[0] if len(values) == 1 else tuple(values) if values else None
+
+
+def _call(result, what: str):
+    """Unpack a ``cuda.bindings.nvrtc`` call (:func:`unpack`)."""
+    return unpack(result, f"NVRTC {what}")
 
 
 def version() -> tuple[int, int]:

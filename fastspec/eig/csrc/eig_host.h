@@ -5,7 +5,9 @@
 
 namespace fastspec {
 
-// Same layout contract as cuda_eigvalsh_* (eig_cuda.h), on host memory.
+// The CUDA kernel's layout contract (fastspec_eigvalsh, eig_kernel.cu), on host memory:
+// in + b*sb holds matrix b, element (r, c) at r*sr + c*sc (lower triangle read); out + b*osb its
+// n eigenvalues, ascending. Strides in elements.
 void host_eigvalsh_f32(const float* in, float* out, int64_t batch, int n, int64_t sb, int64_t sr, int64_t sc,
                        int64_t osb);
 void host_eigvalsh_f64(const double* in, double* out, int64_t batch, int n, int64_t sb, int64_t sr, int64_t sc,
