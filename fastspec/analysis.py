@@ -3,7 +3,10 @@
 Every function takes *records* in the tidy format of :class:`fastspec.Record` — a list of
 ``Record``s, a list of dicts, or a ``pandas.DataFrame`` with the columns
 
-    step, tokens_seen, site, layer, head_index, metric, value   (+ optional ``protocol``, ``condition``, ``width``)
+    step, tokens_seen, site, layer, head_index, metric, value, protocol   (+ optional ``condition``, ``width``)
+
+of which ``tokens_seen``, ``layer``, ``head_index`` and ``protocol`` may be absent (None), and
+``head`` is read as ``head_index`` (older files): the schema of ``fastspec/probe/record.py``.
 
 and returns a ``pandas.DataFrame``. Records hold one value per (layer, head); per-layer values
 are the mean over heads, whole-model values the mean over layers of those (the aggregation of
@@ -21,12 +24,13 @@ which form a group of their own. Pass ``"eval"``, ``"stream"`` or ``None`` to ch
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, is_dataclass
 
 import numpy as np
 import pandas as pd
 
+from . import _args
 from .fits import fit_power_law, tail_index
+from .probe import record
 
 __all__ = [
     "to_frame",
@@ -43,44 +47,33 @@ __all__ = [
     "tail_fits",
 ]
 
-RECORD_COLUMNS = ["step", "tokens_seen", "site", "layer", "head_index", "metric", "value"]
+RECORD_COLUMNS = list(record.FIELDS)  # (kept for code that read it here; the schema is record.py's)
 # The key-rank study's headline quantity (docs/protocols.md) and the default everywhere below.
 KEY_SITE, KEY_METRIC = "keys", "participation_ratio"
 AUTO = "auto"
 
 
 def to_frame(records) -> pd.DataFrame:
-    """Records (``Record``s, dicts or a DataFrame) -> DataFrame with at least ``RECORD_COLUMNS``.
+    """Records (``Record``s, dicts or a DataFrame) -> DataFrame with at least the
+    ``fastspec.probe.record.FIELDS`` columns, each record normalised by
+    ``fastspec.probe.record.normalize`` (a DataFrame's columns by ``record.conform``).
 
     A ``condition`` column is added (``""``) when absent, so every table can group by it.
     """
     if isinstance(records, pd.DataFrame):
-        df = records.copy()
+        renames, absent = record.conform(records.columns)
+        df = records.rename(columns=renames)  # a copy: the caller's frame is left alone
+        for col in absent:
+            df[col] = None
     elif isinstance(records, Iterable) and not isinstance(records, (str, bytes, Mapping)):
-        rows = []
-        for r in records:
-            if hasattr(r, "as_dict"):
-                rows.append(r.as_dict())
-            elif is_dataclass(r):
-                rows.append(asdict(r))
-            elif isinstance(r, Mapping):
-                rows.append(dict(r))
-            else:
-                raise TypeError(f"records: expected Record objects or dicts, got {type(r).__name__}")
-        df = pd.DataFrame(rows, columns=None if rows else RECORD_COLUMNS)
+        rows = [record.normalize(r) for r in records]
+        df = pd.DataFrame(rows, columns=None if rows else list(record.FIELDS))
     else:
         raise TypeError(f"records: expected a list of Records/dicts or a DataFrame, got {type(records).__name__}")
-    if "head" in df.columns and "head_index" not in df.columns:  # files written before the rename
-        df = df.rename(columns={"head": "head_index"})
-    missing = [c for c in RECORD_COLUMNS if c not in df.columns]
-    if missing:
-        raise ValueError(f"records: missing columns {missing}")
     if "condition" not in df.columns:
         df["condition"] = ""
     df["condition"] = df["condition"].fillna("").astype(str)
-    if "protocol" not in df.columns:
-        df["protocol"] = None
-    for col in ("step", "layer", "head_index", "tokens_seen"):  # nullable ints: None stays <NA>, 3 stays 3
+    for col in record.INT_FIELDS:  # nullable ints: None stays <NA>, 3 stays 3
         df[col] = pd.to_numeric(df[col], errors="coerce").astype("Int64")
     df["value"] = pd.to_numeric(df["value"], errors="coerce").astype(float)
     return df
@@ -263,8 +256,7 @@ def layer_zones(records, site: str = KEY_SITE, metric: str = KEY_METRIC, n_zones
     layers at the initial and final step, and their ratio. With fewer layers than ``n_zones``
     every layer is its own zone (named as for that many zones: early / late for 2, all for 1).
     """
-    if not isinstance(n_zones, int) or isinstance(n_zones, bool) or n_zones < 1:
-        raise ValueError(f"n_zones: expected a positive int, got {n_zones!r}")
+    n_zones = _args.integer("n_zones", n_zones, minimum=1)
     df = to_frame(records)
     protocol = resolve_protocol(df, site, metric, protocol)
     ini, fin = layer_table(df, site, metric, "initial", protocol), layer_table(df, site, metric, "final", protocol)
@@ -314,8 +306,7 @@ def width_fits(records, metrics=("participation_ratio", "entropy_rank"), *, site
     df = to_frame(records)
     if width_col not in df.columns:
         raise ValueError(f"width_col: records have no {width_col!r} column")
-    if not 0 < ci < 1:
-        raise ValueError(f"ci: expected a level in (0, 1), got {ci}")
+    ci = _args.real("ci", ci, "a level in (0, 1)", lambda c: 0 < c < 1)
     if isinstance(metrics, str):
         metrics = (metrics,)
     rng = np.random.default_rng(seed)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import _args
+
 __all__ = ["PowerLawFit", "TailFit", "fit_power_law", "tail_index"]
 
 
@@ -88,6 +90,8 @@ def tail_index(v, start: int | None = None, stop: int | None = None) -> TailFit:
     the sorted spectrum; defaults drop the first 5% (at least 1) and the last 20% of ranks,
     where finite-sample noise bends the curve. Non-positive values in the window are skipped.
     """
+    start = _args.integer("start", start, optional=True)
+    stop = _args.integer("stop", stop, optional=True)
     v = _as_1d("v", v)
     if not np.all(np.isfinite(v)):  # a NaN would sort first and shift every rank k by one
         raise ValueError("v: a tail fit needs a finite spectrum (it has NaN/Inf values)")

@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass, fields
 import torch
 from torch import Tensor
 
+from . import _args
+
 __all__ = [
     "participation_ratio",
     "entropy_rank",
@@ -122,8 +124,7 @@ def entropy_rank(v: Tensor, dim: int = -1) -> Tensor:
 
 def normalized_rank(rank: Tensor | float, D: int) -> Tensor:
     """``(rank − 1)/(D − 1)``, mapping a rank in [1, D] to [0, 1]; 0 when D == 1."""
-    if not isinstance(D, int) or isinstance(D, bool) or D < 1:
-        raise ValueError(f"D: expected a positive int (the spectrum length), got {D!r}")
+    D = _args.integer("D", D, minimum=1)
     rank = torch.as_tensor(rank)
     if not rank.is_floating_point():
         rank = rank.double()
@@ -149,17 +150,12 @@ def effective_dim(v: Tensor, dim: int = -1) -> Tensor:
 
 
 def _resolve_k(k_or_fraction: int | float, D: int) -> int:
-    if isinstance(k_or_fraction, bool):
-        raise TypeError("k_or_fraction: expected an int k or a float fraction, got a bool")
-    if isinstance(k_or_fraction, int):
-        k = k_or_fraction
-    elif isinstance(k_or_fraction, float):
-        if not 0.0 < k_or_fraction <= 1.0:
-            raise ValueError(f"k_or_fraction: a fraction must lie in (0, 1], got {k_or_fraction}")
+    try:
+        k = _args.index(k_or_fraction)  # an int k (Python or NumPy)
+    except TypeError:  # else a fraction (a bool is neither)
+        f = _args.real("k_or_fraction", k_or_fraction, "an int k or a fraction in (0, 1]", lambda f: 0 < f <= 1)
         # The small tolerance keeps e.g. 0.1 * 30 (= 3.0000000000000004) at k = 3.
-        k = math.ceil(k_or_fraction * D - 1e-9)
-    else:
-        raise TypeError(f"k_or_fraction: expected int or float, got {type(k_or_fraction).__name__}")
+        k = math.ceil(f * D - 1e-9)
     if not 1 <= k <= D:
         raise ValueError(f"k_or_fraction: k must lie in [1, D={D}], got {k}")
     return k
@@ -182,10 +178,7 @@ def rank_at(v: Tensor, fraction: float = 0.9, dim: int = -1, *, check_negative: 
     NaN where ``Σv`` is 0, NaN or Inf. ``check_negative=False`` skips the negative-value warning
     (a host sync) for spectra of PSD matrices, as the probe's emission does.
     """
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
-        raise TypeError(f"fraction: expected a number in (0, 1], got {type(fraction).__name__}")
-    if not 0 < fraction <= 1:
-        raise ValueError(f"fraction: expected a number in (0, 1], got {fraction!r}")
+    fraction = _args.real("fraction", fraction, "a number in (0, 1]", lambda f: 0 < f <= 1)
     return _rank_at(_prepare(v, dim, check_negative=check_negative), fraction)
 
 

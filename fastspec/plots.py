@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from . import analysis
+from . import _args, analysis
 
 __all__ = [
     "trajectory_plot",
@@ -40,9 +40,7 @@ def _ceiling(df, site: str, metric: str, protocol, ceiling) -> float | None:
         return None
     if ceiling == "auto":
         return analysis.site_dimension(df, site, protocol)
-    if isinstance(ceiling, bool) or not isinstance(ceiling, (int, float)) or not ceiling > 0:
-        raise ValueError(f"ceiling: expected 'auto', None or a positive number, got {ceiling!r}")
-    return ceiling
+    return _args.real("ceiling", ceiling, "'auto', None or a positive number", lambda v: v > 0)
 
 
 def _draw_ceiling(ax, D: float | None, top: float, site: str) -> None:

@@ -159,7 +159,7 @@ def test_actions_warn_log_raise_callable(caplog):
     ({"drop": 0}, r"drop: expected a fraction in \(0, 1\) or None, got 0"),
     ({"reference": "last"}, r"reference: expected one of \('previous', 'best', 'first'\), got 'last'"),
     ({"action": "print"}, r"action: expected one of \('warn', 'log', 'raise'\), a callable or None, got 'print'"),
-    ({"repeat": 1}, "repeat: expected a bool, got 1"),
+    ({"repeat": 1}, "repeat: expected True or False, got 1"),
     ({"site": ""}, "site: expected a non-empty str, got ''"),
     ({"metric": None}, "metric: expected a non-empty str, got None"),
 ])

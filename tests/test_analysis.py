@@ -59,6 +59,50 @@ def test_to_frame_accepts_records_dicts_and_frames():
     assert df.loc[0, "head_index"] == 2 and "head" not in df.columns
 
 
+def test_every_reader_of_records_goes_through_the_one_schema_in_record_py(monkeypatch):
+    from fastspec.integrations import as_dicts
+    from fastspec.probe import record
+
+    rec = Record(0, None, "keys", 1, 2, "participation_ratio", 3.0)
+    readers = {  # each reads a list of row dicts -> the records as dicts of the Record fields
+        "as_dicts": as_dicts,
+        "from_dict": lambda rows: [Record.from_dict(r).as_dict() for r in rows],
+        "to_frame": lambda rows: _frame_rows(analysis.to_frame(rows)),
+        "to_frame(DataFrame)": lambda rows: _frame_rows(analysis.to_frame(pd.DataFrame(rows))),
+    }
+    calls = []
+    normalize = record.normalize
+    monkeypatch.setattr(record, "normalize", lambda r: calls.append(r) or normalize(r))
+    old = {k: v for k, v in rec.as_dict().items() if k not in ("head_index", "protocol")} | {"head": 2}
+    for name, read in readers.items():
+        assert read([old]) == [rec.as_dict()], name  # a file written before head_index and protocol
+    assert len(calls) == 3  # as_dicts, from_dict and to_frame's rows; a DataFrame goes by record.conform
+    # a legacy name registered in record.py alone reaches every reader
+    monkeypatch.setitem(record.LEGACY_NAMES, "hd", "head_index")
+    older = {k: v for k, v in old.items() if k != "head"} | {"hd": 2}
+    for name, read in readers.items():
+        assert read([older]) == [rec.as_dict()], name
+    # nullable fields may be absent; the others may not, with one error everywhere
+    bare = {"step": 5, "site": "loss", "metric": "eval_loss", "value": 1.5}
+    for name, read in readers.items():
+        assert read([bare]) == [Record(5, None, "loss", None, None, "eval_loss", 1.5).as_dict()], name
+        with pytest.raises(ValueError, match=r"^records: missing fields \['value'\]"):
+            read([{k: v for k, v in bare.items() if k != "value"}])
+
+
+def test_record_head_is_a_deprecated_alias_of_head_index():
+    rec = Record(0, None, "keys", 1, 2, "participation_ratio", 3.0)
+    with pytest.warns(DeprecationWarning, match="head_index"):
+        assert rec.head == 2
+
+
+def _frame_rows(df) -> list[dict]:
+    """The Record fields of each row of a ``to_frame`` table, as plain Python values."""
+    rows = df[list(Record.__dataclass_fields__)].astype(object).to_dict("records")
+    return [{k: None if v is pd.NA or v is None or (isinstance(v, float) and math.isnan(v)) else v
+             for k, v in r.items()} for r in rows]
+
+
 @pytest.mark.parametrize("bad, exc, name", [
     (42, TypeError, "records"), ([1, 2], TypeError, "records"), ([{"step": 0}], ValueError, "records")])
 def test_to_frame_rejects_bad_input(bad, exc, name):

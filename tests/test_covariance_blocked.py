@@ -164,7 +164,10 @@ def test_sv_exact_precision_matches_float64_svdvals_on_rank_deficient_heads():
 
 def test_policy_plans(monkeypatch):
     cpu32 = torch.zeros(1)
-    plan = policy.update_plan
+
+    def plan(precision, backend, track_mean, x):
+        return policy.update_plan(policy.UpdateSettings(precision, backend), track_mean, x)
+
     assert plan("auto", "auto", False, cpu32) == (torch.float64, "torch")
     assert plan("auto", "auto", True, cpu32) == (torch.float32, "torch")
     assert plan("fast", "auto", False, cpu32) == (torch.float32, "torch")

@@ -313,3 +313,37 @@ def test_steps_and_tokens_seen_take_numpy_ints_and_name_bad_ones():
     for step in (1.0, True, "1"):
         with pytest.raises(TypeError, match="step: expected an int"):
             probe.step(step)
+
+
+def _hook_count(model) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def _captured_rows(probe) -> int:
+    return sum(int(acc.cov.n.sum()) for acc in probe._totals.accs.values() if acc.cov.device is not None)
+
+
+def test_probe_is_a_context_manager_and_close_removes_every_hook_also_on_error():
+    model = build("llama")
+    bare = _hook_count(model)
+    with pytest.raises(RuntimeError, match="training failed"):
+        with fastspec.Probe(model, emit_every=1) as probe:
+            assert isinstance(probe, fastspec.Probe)
+            probe.attach()
+            assert _hook_count(model) > bare
+            model(**batch())
+            rows = _captured_rows(probe)
+            assert rows > 0
+            raise RuntimeError("training failed")
+    assert _hook_count(model) == bare and not probe._hooks.installed
+    model(**batch())  # neither a module hook nor the attention interface captures any more
+    assert _captured_rows(probe) == rows
+    assert probe.step(0) and probe.records()  # the final step still emits what was accumulated
+
+    probe = fastspec.Probe(model).attach()
+    probe.close()
+    probe.close()  # twice is fine
+    assert _hook_count(model) == bare
+    with fastspec.Probe(model) as probe:  # entering attaches nothing; measure works as ever
+        assert _hook_count(model) == bare and probe.measure(batch(), step=0)
+    assert _hook_count(model) == bare and probe.records()

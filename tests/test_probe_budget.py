@@ -12,14 +12,14 @@ import torch
 from _tiny_models import batch, build
 
 import fastspec
-from fastspec.probe.budget import (
+from fastspec.probe.budget import OverheadBudget
+from fastspec.probe.ffn_sampling import (
     DEFAULT_FFN_SHARE,
-    OverheadBudget,
-    WorkTimer,
     auto_ffn_rows,
     ffn_flop_share,
     matmul_parameters,
 )
+from fastspec.probe.timer import WorkTimer
 
 
 class TickClock:
@@ -62,6 +62,17 @@ def test_budget_policy_interval_is_ceil_cost_over_budget_and_relaxes():
     assert b.observe(0.001, 0.0, step_s=1.001, captured=True) == 2  # cheap again: back to base_every
     assert OverheadBudget(None, 3).observe(0.9, 0.0, 1.9, True) == 3  # no budget: never adapts
     assert b.measured_fraction == pytest.approx(0.051 / 3)  # all work / all probe-free time
+
+
+def test_names_moved_out_of_budget_py_still_import_with_a_deprecation_warning():
+    from fastspec.probe import budget, ffn_sampling, timer
+
+    for name, module in (("WorkTimer", timer), ("KINDS", timer), ("DEFAULT_FFN_SHARE", ffn_sampling),
+                         ("choose_ffn_rows", ffn_sampling), ("matmul_parameters", ffn_sampling)):
+        with pytest.warns(DeprecationWarning, match=f"fastspec.probe.budget.{name} moved to {module.__name__}"):
+            assert getattr(budget, name) is getattr(module, name)
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        budget.nothing  # noqa: B018
 
 
 def test_budget_smoothing_and_bad_arguments():
@@ -233,7 +244,7 @@ def _simulate(*, budget, every, emit_every, capture_s, emit_s, steps=160, step_s
     inputs = batch(B=2, T=8)
     clock = ManualClock()
     probe = fastspec.Probe(model, ffn=False, budget=budget, every=every, emit_every=emit_every, clock=clock)
-    update, emit = probe._stream.update, probe._emitter.records
+    update, emit = probe._totals.update, probe._emitter.records
 
     def slow_update(*args, **kwargs):
         clock.advance(capture_s / 2)  # gpt2: 2 layers of keys per captured forward
@@ -243,7 +254,7 @@ def _simulate(*, budget, every, emit_every, capture_s, emit_s, steps=160, step_s
         clock.advance(emit_s)
         return emit(*args, **kwargs)
 
-    probe._stream.update, probe._emitter.records = slow_update, slow_emit
+    probe._totals.update, probe._emitter.records = slow_update, slow_emit
     starts, records = [], []
     with probe.streaming():
         for step in range(steps):

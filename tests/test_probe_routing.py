@@ -6,21 +6,24 @@ import torch
 from _tiny_models import batch, build
 
 import fastspec
-from fastspec.probe.budget import WorkTimer
+from fastspec.covariance.policy import UpdateSettings
 from fastspec.probe.hooks import ForwardScope
 from fastspec.probe.routing import Router
 from fastspec.probe.sites import Collector
+from fastspec.probe.timer import WorkTimer
+
+TORCH = UpdateSettings(backend="torch")
 
 
 def _router() -> tuple[Router, ForwardScope, Collector]:
     scope = ForwardScope(torch.nn.Identity())
-    stream = Collector("torch")
+    stream = Collector(TORCH)
     return Router(stream, scope, WorkTimer(None), row_step=1), scope, stream
 
 
 def test_destination_follows_forward_measurement_and_schedule():
     router, scope, stream = _router()
-    eval_ = Collector("torch")
+    eval_ = Collector(TORCH)
     table = []
     for streaming in (False, True):
         for due in (False, True):
@@ -40,7 +43,7 @@ def test_destination_follows_forward_measurement_and_schedule():
 def test_measuring_nests_and_restores_on_error():
     router, scope, stream = _router()
     scope.depth = 1
-    a, b = Collector("torch"), Collector("torch")
+    a, b = Collector(TORCH), Collector(TORCH)
     try:
         with router.measuring(a):
             with router.measuring(b):
@@ -73,11 +76,11 @@ def test_measure_while_streaming_leaves_the_stream_alone():
     probe = fastspec.Probe(model, ffn=False, emit_every=1000)
     with probe.streaming():
         model(**inputs)
-        before = {k: acc.cov.n.clone() for k, acc in probe._stream.accs.items()}
+        before = {k: acc.cov.n.clone() for k, acc in probe._totals.accs.items()}
         probe.measure(batch(B=3, T=6), step=0)
-        assert {k: acc.cov.n for k, acc in probe._stream.accs.items()}.keys() == before.keys()
-        for k, acc in probe._stream.accs.items():
+        assert {k: acc.cov.n for k, acc in probe._totals.accs.items()}.keys() == before.keys()
+        for k, acc in probe._totals.accs.items():
             assert torch.equal(acc.cov.n, before[k])
         model(**inputs)  # streaming goes on after the measurement
-    for k, acc in probe._stream.accs.items():
+    for k, acc in probe._totals.accs.items():
         assert torch.equal(acc.cov.n, 2 * before[k])

@@ -24,46 +24,30 @@ row was refused (it syncs; call it when you want to stop on bad data).
 from __future__ import annotations
 
 import math
-import operator
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from .. import _args
 from ..metrics import SpectrumMetrics, summarize
 from . import ops
-from .policy import check_backend, check_precision, solve_dtype
+from .policy import UpdateSettings, solve_dtype
 
 CONVENTIONS = ("eig", "sv")
 
 
-def _index(value: Any) -> int:
-    """``value`` as an int: Python and NumPy ints (``operator.index``), not bools or floats."""
-    if type(value) is int:  # the common case, and the one a traced update sees
-        return value
-    if isinstance(value, bool):  # (NumPy bools have no __index__)
-        raise TypeError(f"a bool is not a size: {value!r}")
-    return operator.index(value)
-
-
 def _shape_arg(dim: Any) -> tuple[int, ...]:
     try:
-        shape = (_index(dim),)
+        shape = (_args.index(dim),)
     except TypeError:  # not one int: a tuple/list/torch.Size of them (a str is neither)
         try:
-            shape = () if isinstance(dim, (str, bytes)) else tuple(_index(d) for d in dim)
+            shape = () if isinstance(dim, (str, bytes)) else tuple(_args.index(d) for d in dim)
         except TypeError:
             shape = ()
     if not shape or any(d < 1 for d in shape):
         raise ValueError(f"dim: expected D or a tuple (*sites, D) of positive ints, got {dim!r}")
     return shape
-
-
-def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool) and (type(value).__module__, type(value).__name__) not in (
-            ("numpy", "bool"), ("numpy", "bool_")):  # NumPy 2 / 1 bools are fine
-        raise TypeError(f"{name}: expected True or False, got {value!r}")
-    return bool(value)
 
 
 def _device_arg(device: Any) -> torch.device:
@@ -72,11 +56,6 @@ def _device_arg(device: Any) -> torch.device:
     except (RuntimeError, TypeError, ValueError):
         raise ValueError(f"device: expected a torch.device or a device string such as 'cpu' or "
                          f"'cuda:0', got {device!r}") from None
-
-
-def _check_convention(convention: str) -> None:
-    if convention not in CONVENTIONS:
-        raise ValueError(f"convention: expected one of {CONVENTIONS}, got {convention!r}")
 
 
 def spectra(mat: Tensor, convention: str, *, dtype: torch.dtype | None = None) -> Tensor:
@@ -88,13 +67,13 @@ def spectra(mat: Tensor, convention: str, *, dtype: torch.dtype | None = None) -
     """
     from ..eig import eigvalsh
 
-    _check_convention(convention)
+    _args.choice("convention", convention, CONVENTIONS)
     if dtype is None:
         dtype = solve_dtype(convention, mat.device)
     elif not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.is_complex:
         raise ValueError(f"dtype: expected None or a real floating torch.dtype (the eigensolve's "
                          f"precision, e.g. torch.float64), got {dtype!r}")
-    # every eigvalsh backend gives an undefined site (NaN/Inf sums) a NaN row without a sync and
+    # every eigvalsh solver gives an undefined site (NaN/Inf sums) a NaN row without a sync and
     # leaves its neighbours alone; clamp_min keeps those NaNs
     lam = eigvalsh(mat.to(dtype)).flip(-1).clamp_min(0)
     return lam.sqrt() if convention == "sv" else lam
@@ -131,6 +110,10 @@ class Covariance:
         precision: products in float64 (``"exact"``) or float32 (``"fast"``); ``"auto"``: exact
             for raw sums (``track_mean=False``) on CPU and full-rate-float64 GPUs, fast
             otherwise. Accuracy of each choice: ``fastspec.covariance.policy``.
+        settings: ``precision`` and ``backend`` as one
+            :class:`~fastspec.covariance.policy.UpdateSettings`, already checked (what a
+            :class:`fastspec.Probe` hands its accumulators); instead of ``precision``/``backend``,
+            not with them. The choice in effect: :attr:`settings` (``.precision``, ``.backend``).
 
     Example::
 
@@ -140,17 +123,29 @@ class Covariance:
     """
 
     def __init__(self, dim: int | tuple[int, ...], *, device: torch.device | str | None = None,
-                 track_mean: bool = True, backend: str = "auto", precision: str = "auto"):
+                 track_mean: bool = True, backend: str = "auto", precision: str = "auto",
+                 settings: UpdateSettings | None = None):
         shape = _shape_arg(dim)
         self.sites: tuple[int, ...] = shape[:-1]
         self.D: int = shape[-1]
-        self.track_mean = _flag("track_mean", track_mean)
-        self.backend = check_backend(backend)
-        self.precision = check_precision(precision)
+        self.track_mean = _args.flag("track_mean", track_mean)
+        if settings is None:
+            settings = UpdateSettings(precision, backend)
+        elif not isinstance(settings, UpdateSettings):
+            raise _args.ArgumentTypeError(f"settings: expected a fastspec.covariance.policy.UpdateSettings "
+                                          f"or None, got {type(settings).__name__}")
+        elif (precision, backend) != ("auto", "auto"):
+            raise ValueError(f"precision, backend: given as settings={settings!r}; pass them there, not "
+                             f"also as precision={precision!r}, backend={backend!r}")
+        self.settings = settings
         self._device = None if device is None else _device_arg(device)
         self._state: dict[str, Tensor] | None = None
         if self._device is not None:
             self._init_state(self._device)
+
+    # read-only views of the settings, under the attribute names they had before settings existed
+    precision = property(lambda self: self.settings.precision, doc="``settings.precision``")
+    backend = property(lambda self: self.settings.backend, doc="``settings.backend``")
 
     # ------------------------------------------------------------------ state
     @property
@@ -251,13 +246,7 @@ class Covariance:
                                  f"got {list(mask.shape)}")
             if mask.device != x.device:
                 raise ValueError(f"mask: is on {mask.device}, x is on {x.device}")
-        try:
-            step = _index(row_step)
-        except TypeError:
-            step = 0
-        if step < 1:
-            raise ValueError(f"row_step: expected an int >= 1, got {row_step!r}")
-        return lead, step
+        return lead, _args.integer("row_step", row_step, minimum=1)
 
     def update(self, x: Tensor, mask: Tensor | None = None, *, row_step: int = 1,
                gate: Tensor | None = None) -> "Covariance":
@@ -289,9 +278,10 @@ class Covariance:
         st = self._state
         first, second = ("mean", "m2") if self.track_mean else ("sum", "gram")
         update = ops.covariance_update_op if torch.compiler.is_compiling() else ops.covariance_update
+        settings = self.settings
         update(st["n"], st["rejected"], st[first], st[second], x4.detach(), m2d,
-               None if gate is None else gate.reshape(()), row_step, self.track_mean, self.precision,
-               self.backend)
+               None if gate is None else gate.reshape(()), row_step, self.track_mean, settings.precision,
+               settings.backend)
         return self
 
     def _merge_sums(self, n_b: Tensor, c: Tensor, s: Tensor, G: Tensor, rejected: Tensor) -> None:
@@ -375,7 +365,7 @@ class Covariance:
         if not self.track_mean:
             raise ValueError("covariance() needs track_mean=True; this accumulator keeps only raw "
                              "sums (use second_moment() or gram(), or the 'sv' convention)")
-        n = st["n"].double() - (1 if _flag("unbiased", unbiased) else 0)
+        n = st["n"].double() - (1 if _args.flag("unbiased", unbiased) else 0)
         return self._out(st["m2"] / n[:, None, None], 2)
 
     def participation_ratio(self) -> Tensor:
@@ -390,7 +380,7 @@ class Covariance:
     def matrix(self, convention: str = "eig") -> Tensor:
         """The matrix whose spectrum :meth:`spectrum` reports, ``[*sites, D, D]`` float64: the
         unbiased covariance (``eig``) or the raw Gram matrix ``XᵀX`` (``sv``)."""
-        _check_convention(convention)
+        _args.choice("convention", convention, CONVENTIONS)
         return self.covariance() if convention == "eig" else self.gram()
 
     def spectrum(self, convention: str = "eig", *, dtype: torch.dtype | None = None) -> Tensor:

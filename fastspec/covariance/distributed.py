@@ -45,7 +45,6 @@ def all_reduce_covariance(cov, group=None):
     s, G = cov._sums_about(shift)
     dist.all_reduce(s, op=SUM, group=group)
     dist.all_reduce(G, op=SUM, group=group)
-    out = type(cov)((*cov.sites, cov.D), device=cov.device, track_mean=cov.track_mean,
-                     backend=cov.backend, precision=cov.precision)
+    out = type(cov)((*cov.sites, cov.D), device=cov.device, track_mean=cov.track_mean, settings=cov.settings)
     out._merge_sums(n, torch.zeros_like(s) if shift is None else shift, s, G, rejected)
     return out

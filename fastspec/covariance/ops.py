@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from . import blocked
-from .policy import update_plan
+from .policy import UpdateSettings, update_plan
 
 __all__ = ["chan_merge", "covariance_update", "covariance_update_op", "fold_gate", "merge_sums"]
 
@@ -123,7 +123,9 @@ def covariance_update(n: Tensor, rejected: Tensor, first: Tensor, second: Tensor
                       mask: Tensor | None, gate: Tensor | None, row_step: int, track_mean: bool,
                       precision: str, backend: str) -> None:
     """Merge rows ``x: [B, T, S, D]`` into the state, in place (the op's implementation; see the
-    module docstring for the arguments). Arguments are checked by :meth:`Covariance.update`."""
+    module docstring for the arguments). Arguments are checked by :meth:`Covariance.update`;
+    ``precision``/``backend`` are those of its :class:`~fastspec.covariance.policy.UpdateSettings`,
+    passed as strings because an op's schema holds only tensors and scalars."""
     run, mask = _gated_mask(x, mask, gate)
     if not run:
         return
@@ -134,7 +136,8 @@ def covariance_update(n: Tensor, rejected: Tensor, first: Tensor, second: Tensor
             covariance_update(n, rejected, first, second, x, mask, None, row_step, track_mean, precision, backend)
         return
     st = _state(n, rejected, first, second, track_mean)
-    plan = update_plan(precision, backend, track_mean, x)
+    # rebuilt from the strings, which checks them again: the op can also be called directly
+    plan = update_plan(UpdateSettings(precision, backend), track_mean, x)
     if plan.backend == "triton":
         from .triton_update import covariance_partials_triton
 

@@ -35,9 +35,12 @@ tensors when Triton is importable, the torch path otherwise. ``"exact"`` always 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+
+from .._args import choice
 
 PRECISIONS = ("auto", "exact", "fast")
 BACKENDS = ("auto", "torch", "triton")
@@ -46,16 +49,22 @@ BACKENDS = ("auto", "torch", "triton")
 _FULL_RATE_FP64 = {(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)}
 
 
-def check_precision(precision: str) -> str:
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
-    return precision
+@dataclass(frozen=True)
+class UpdateSettings:
+    """What a user chose for the covariance updates: ``precision`` (one of ``PRECISIONS``) and
+    ``backend`` (one of ``BACKENDS``), checked here, once.
 
+    :class:`fastspec.Probe` and :class:`fastspec.Covariance` build one from their public
+    ``precision=``/``backend=`` arguments and hand it down unchanged (a probe's collectors give
+    the same object to every accumulator); :func:`update_plan` turns it into the plan of one update.
+    """
 
-def check_backend(backend: str) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    return backend
+    precision: str = "auto"
+    backend: str = "auto"
+
+    def __post_init__(self):
+        choice("precision", self.precision, PRECISIONS)
+        choice("backend", self.backend, BACKENDS)
 
 
 def full_rate_fp64(device: torch.device) -> bool:
@@ -72,8 +81,9 @@ class UpdatePlan(NamedTuple):
     backend: str
 
 
-def update_plan(precision: str, backend: str, track_mean: bool, x: torch.Tensor) -> UpdatePlan:
+def update_plan(settings: UpdateSettings, track_mean: bool, x: torch.Tensor) -> UpdatePlan:
     """The plan for merging rows ``x`` into an accumulator (see the module docstring)."""
+    precision, backend = settings.precision, settings.backend
     if x.dtype == torch.float64:
         exact = True  # float64 input keeps float64 products whatever the precision
     elif precision == "auto":  # an explicit backend="triton" asks for its float32 kernels

@@ -36,6 +36,7 @@ import torch
 import triton
 from torch import Tensor
 
+from .. import _args
 from .reference import CovPartials, covariance_partials_reference
 from .triton_kernels import _center_kernel, _cov_partials_kernel, _row_status_kernel
 
@@ -134,8 +135,7 @@ def launch_config(N: int, S: int, D: int, device: torch.device, elem_bytes: int,
         target = sms // pairs if NTILE == 1 else triton.cdiv(2 * sms, pairs)
         min_rows = max(BT, 16 * D // elem_bytes)
         split = max(1, min(target, triton.cdiv(N, min_rows)))
-    if not isinstance(split, int) or isinstance(split, bool) or split < 1:
-        raise ValueError(f"split: expected an int >= 1, got {split!r}")
+    split = _args.integer("split", split, minimum=1)
     rps = triton.cdiv(triton.cdiv(max(N, 1), split), BT) * BT
     # deeper load pipeline where the loop is memory bound (16-bit, uncentered, fused); the
     # centered split (4 dots per block) is compute bound and keeps Triton's default
@@ -143,7 +143,8 @@ def launch_config(N: int, S: int, D: int, device: torch.device, elem_bytes: int,
     return LaunchConfig(BD, NTILE, BT, num_warps, triton.cdiv(max(N, 1), rps), rps, stages)
 
 
-def _check(x: Tensor, mask: Tensor | None, row_step: int) -> None:
+def _check(x: Tensor, mask: Tensor | None, row_step: int) -> int:
+    """Raise on bad arguments; returns ``row_step`` as an int (a NumPy int is not a constexpr)."""
     if not isinstance(x, Tensor) or x.dim() != 4:
         raise ValueError(f"x: expected a 4-D tensor [B, T, S, D], got "
                          f"{list(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
@@ -152,11 +153,11 @@ def _check(x: Tensor, mask: Tensor | None, row_step: int) -> None:
     if mask is not None and (not isinstance(mask, Tensor) or tuple(mask.shape) != tuple(x.shape[:2])):
         raise ValueError(f"mask: expected a tensor of shape {list(x.shape[:2])}, got "
                          f"{list(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__}")
-    if not isinstance(row_step, int) or isinstance(row_step, bool) or row_step < 1:
-        raise ValueError(f"row_step: expected an int >= 1, got {row_step!r}")
+    row_step = _args.integer("row_step", row_step, minimum=1)
     if not x.is_cuda and not _interpreting():
         raise RuntimeError("x: the Triton covariance kernels need a CUDA tensor (or TRITON_INTERPRET=1 "
                            "set before importing triton, for CPU tests); use backend='torch' on CPU")
+    return row_step
 
 
 def covariance_partials_triton(x: Tensor, mask: Tensor | None = None, row_step: int = 1,
@@ -170,7 +171,7 @@ def covariance_partials_triton(x: Tensor, mask: Tensor | None = None, row_step: 
     ``G`` exactly symmetric.
     float64 input is delegated to the torch reference (the kernels accumulate in fp32).
     """
-    _check(x, mask, row_step)
+    row_step = _check(x, mask, row_step)
     if x.dtype == torch.float64:
         return covariance_partials_reference(x, mask, row_step, center)
     x = x.detach()  # called from forward hooks: the kernels read the data, autograd has no part

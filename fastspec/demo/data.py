@@ -14,13 +14,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .. import _args
+
 VOCAB_SIZE = 256
 
 
 def stdlib_corpus(max_bytes: int = 4_000_000) -> Tensor:
     """Up to ``max_bytes`` of concatenated ``*.py`` files of the stdlib as uint8 ``[N]``."""
-    if max_bytes < 1:
-        raise ValueError(f"max_bytes: expected a positive int, got {max_bytes}")
+    max_bytes = _args.integer("max_bytes", max_bytes, minimum=1)
     root = Path(os.path.dirname(os.__file__))
     chunks, total = [], 0
     for path in sorted(root.glob("*.py")):

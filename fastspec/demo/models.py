@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import _args
 from . import CONDITIONS
 
 
@@ -26,10 +27,8 @@ class ModelSize:
     seq_len: int = 128
 
     def __post_init__(self):
-        for name in ("d_model", "layers", "heads", "kv_heads", "d_ff", "seq_len"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        for name in ("d_model", "layers", "heads", "kv_heads", "d_ff", "seq_len"):  # (frozen: store plain ints)
+            object.__setattr__(self, name, _args.integer(name, getattr(self, name), minimum=1))
         if self.d_model % self.heads:
             raise ValueError(f"heads: expected a divisor of d_model ({self.d_model}), got {self.heads}")
         if (self.d_model // self.heads) % 2:  # rotary embeddings rotate pairs of dimensions

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import _args
 from .data import VOCAB_SIZE, eval_batch, random_windows, split, stdlib_corpus
 from .models import CONDITIONS, ModelSize, build_model
 
@@ -40,18 +41,13 @@ class DemoConfig:
     conditions: tuple[str, ...] = CONDITIONS
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "probe_every", "eval_sequences", "corpus_bytes"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name}: expected a positive int, got {v!r}")
-        for name in ("warmup", "seed"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"{name}: expected a non-negative int, got {v!r}")
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr: expected a finite number > 0, got {self.lr}")
-        if not (isinstance(self.weight_decay, (int, float)) and 0 <= self.weight_decay < math.inf):
-            raise ValueError(f"weight_decay: expected a finite number >= 0, got {self.weight_decay}")
+        minimum = dict.fromkeys(("steps", "batch_size", "probe_every", "eval_sequences", "corpus_bytes"), 1)
+        minimum.update(warmup=0, seed=0)
+        for name, low in minimum.items():  # (frozen: store plain ints and floats)
+            object.__setattr__(self, name, _args.integer(name, getattr(self, name), minimum=low))
+        object.__setattr__(self, "lr", _args.real("lr", self.lr, "a finite number > 0", lambda v: v > 0))
+        object.__setattr__(self, "weight_decay", _args.real("weight_decay", self.weight_decay,
+                                                            "a finite number >= 0", lambda v: v >= 0))
         bad = [c for c in self.conditions if c not in CONDITIONS]
         if bad or not self.conditions or len(set(self.conditions)) != len(self.conditions):
             raise ValueError(f"conditions: expected a non-empty subset of {CONDITIONS} without repeats, "

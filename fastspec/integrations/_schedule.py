@@ -6,11 +6,11 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from .. import _args
+
 
 def check_every(every_n_steps) -> int:
-    if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
-        raise ValueError(f"every_n_steps: expected a positive int, got {every_n_steps!r}")
-    return every_n_steps
+    return _args.integer("every_n_steps", every_n_steps, minimum=1)
 
 
 def check_alerts(alerts):

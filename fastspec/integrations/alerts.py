@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import logging
 import math
-import numbers
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from .. import _args
 from ._records import as_dicts
 
 __all__ = ["Alert", "RankCollapseAlert", "RankCollapseError", "RankCollapseWarning"]
@@ -70,12 +70,6 @@ class Alert:
         return asdict(self)
 
 
-def _number(name: str, x, expected: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x):
-        raise ValueError(f"{name}: expected {expected}, got {x!r}")
-    return float(x)
-
-
 class RankCollapseAlert:
     """Rank-collapse rule for one ``(site, metric)``, checked emission by emission.
 
@@ -117,21 +111,13 @@ class RankCollapseAlert:
     def __init__(self, *, site: str = "keys", metric: str = "participation_ratio", threshold: float | None = None,
                  drop: float | None = None, reference: str = "previous", action: str | Callable | None = "warn",
                  repeat: bool = False):
-        for name, s in (("site", site), ("metric", metric)):
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"{name}: expected a non-empty str, got {s!r}")
-        self.site, self.metric = site, metric
-        self.threshold = None if threshold is None else _number("threshold", threshold, "a finite number or None")
-        self.drop = None if drop is None else _number("drop", drop, "a fraction in (0, 1) or None")
-        if self.drop is not None and not 0.0 < self.drop < 1.0:
-            raise ValueError(f"drop: expected a fraction in (0, 1) or None, got {drop!r}")
-        if reference not in REFERENCES:
-            raise ValueError(f"reference: expected one of {REFERENCES}, got {reference!r}")
+        self.site, self.metric = _args.text("site", site), _args.text("metric", metric)
+        self.threshold = _args.real("threshold", threshold, "a finite number or None", optional=True)
+        self.drop = _args.real("drop", drop, "a fraction in (0, 1) or None", lambda d: 0 < d < 1, optional=True)
+        self.reference = _args.choice("reference", reference, REFERENCES)
         if not (action is None or action in ACTIONS or callable(action)):
             raise ValueError(f"action: expected one of {ACTIONS}, a callable or None, got {action!r}")
-        if not isinstance(repeat, bool):
-            raise ValueError(f"repeat: expected a bool, got {repeat!r}")
-        self.reference, self.action, self.repeat = reference, action, repeat
+        self.action, self.repeat = action, _args.flag("repeat", repeat)
         # (protocol, layer) -> reference value (None until a finite one) and the kinds raised now
         self._ref: dict[tuple[str | None, int | None], float | None] = {}
         self._active: dict[tuple[str | None, int | None], set[str]] = defaultdict(set)

@@ -1,16 +1,13 @@
-"""The probe's own cost: timing all of its work, reporting it honestly, keeping it under a budget.
+"""The probe's overhead budget: what its work costs against the training it rides on, reported
+honestly, and the capture/emission intervals that keep it under a budget.
 
-**What is counted.** Two kinds of work, timed separately per training step (the interval
-between two :meth:`Probe.step` calls): *capture* work (every streaming capture in a hook:
-masking, sampling, the covariance update) and *emission* work (computing the metrics, packing
-the records and resetting the accumulators inside :meth:`Probe.step`). On CPU each is timed with
-the host clock; on CUDA with a pair of events each, read later once they have completed, so
-timing never syncs the training stream. A step's work is accounted to that step (its step time,
-whether it captured, whether it emitted) once all its events have completed: without host syncs
-the host can run a step or more ahead of the GPU, and adding late events to whichever step is
-current would credit a captured step's cost to an idle one. Not counted: the dispatch of the
-hooks themselves (a few µs of Python per hooked module call, also on idle steps) and the
-``measure()`` eval protocol (it is not streaming).
+**What is counted.** Two kinds of work per training step (the interval between two
+:meth:`Probe.step` calls): *capture* work (every streaming capture in a hook: masking, sampling,
+the covariance update) and *emission* work (computing the metrics, packing the records and
+resetting the accumulators inside :meth:`Probe.step`), timed without syncing the device and
+handed here step by step once a step's timings are complete (``timer.py``). Not counted: the
+dispatch of the hooks themselves (a few µs of Python per hooked module call, also on idle steps)
+and the ``measure()`` eval protocol (it is not streaming).
 
 **Captures inside a compiled graph** cannot be timed one by one (a host clock does not run in
 a graph, and CUDA events there would be replayed, not recorded). Their cost is then judged from
@@ -57,112 +54,22 @@ the same step, and ranks measure different timings: there the emission interval 
 adapted (only captures are: they involve no collective), and captures keep at least half of
 the budget.
 
-**FFN rows.** Full-rate FFN streaming is inherently expensive: the Gram of the down projection's
-input costs ``GRAM_FLOPS · N · d_ff²`` per layer for ``N`` tokens, against about
-``STEP_FLOPS · N · P`` for a training step of a model with ``P`` (matmul) parameters: about
-30% of a step for GPT-2 small, 20% for Llama-7B, 15% for Qwen3-0.6B. ``Probe(ffn_rows="auto")``
-(the default) therefore keeps every ``k``-th token of each sequence at the FFN sites while
-streaming (``k=20`` for Llama-7B without a budget), with ``k`` the smallest
-integer that brings this FLOP share under the target (the ``budget`` when set, else
-``DEFAULT_FFN_SHARE``), see :func:`ffn_flop_share` and :func:`auto_ffn_rows`. Sampling every
-``k``-th token leaves the covariance estimator unbiased (same expectation, ``1/k`` of the rows,
-so its variance grows about ``k``-fold, less when neighbouring tokens are correlated); the
-``eig``-convention FFN metrics are those of ``1/k`` of the streamed tokens, and being
-spectra of a finite sample, they move when the row count per emission approaches ``d_ff``.
-``ffn_rows="all"`` streams every token; :meth:`Probe.measure` always uses every token.
+FFN token sampling is sized from a FLOP model before any step runs, not timed: ``ffn_sampling.py``.
 """
 from __future__ import annotations
 
+import importlib
 import math
 import statistics
-import time
+import warnings
 from collections import deque
-from collections.abc import Callable, Iterable
-from typing import Any
 
-import torch
-from torch import nn
+from .. import _args
 
-from .families import Family, matches
-
-KINDS = ("capture", "emit")
-
-#: FLOP model of the FFN subsampling: FLOPs per row and per entry of a ``d x d`` Gram (a full
-#: GEMM; the symmetric Triton kernel does about half of that) and a training step's FLOPs per
-#: token and parameter (forward 2 + backward 4).
-GRAM_FLOPS = 2
-STEP_FLOPS = 6
-#: FFN share of a training step that ``ffn_rows="auto"`` aims at when no ``budget`` is set.
-DEFAULT_FFN_SHARE = 0.01
 #: Captures inside a compiled graph: step times kept per kind (captured / idle), and, with a
 #: budget and ``every=1``, one step in ``CALIBRATE_EVERY`` left idle to compare with.
 UNTIMED_WINDOW = 9
 CALIBRATE_EVERY = 16
-
-
-def matmul_parameters(model: nn.Module) -> int:
-    """Parameters that do per-token matmul work: every distinct parameter except those used
-    only by ``nn.Embedding`` modules (a lookup; a tied output head still counts, once)."""
-    seen: set[int] = set()
-    total = 0
-    for mod in model.modules():
-        if isinstance(mod, nn.Embedding):
-            continue
-        for p in mod.parameters(recurse=False):
-            if id(p) not in seen:
-                seen.add(id(p))
-                total += p.numel()
-    return total
-
-
-def ffn_flop_share(ffn_widths: Iterable[int], n_params: int) -> float:
-    """Full-rate FFN streaming cost as a fraction of a training step:
-    ``GRAM_FLOPS · Σ d_ff² / (STEP_FLOPS · P)`` (the token count cancels)."""
-    if n_params <= 0:
-        raise ValueError(f"n_params: expected > 0, got {n_params!r}")
-    return GRAM_FLOPS * sum(d * d for d in ffn_widths) / (STEP_FLOPS * n_params)
-
-
-def auto_ffn_rows(share: float, target: float, row_step: int = 1) -> int:
-    """Smallest ``k >= 1`` with ``share / (row_step · k) <= target``: FFN sites then keep every
-    ``row_step · k``-th token."""
-    if not target > 0:
-        raise ValueError(f"target: expected > 0, got {target!r}")
-    return max(1, math.ceil(share / (row_step * target) - 1e-9))
-
-
-def ffn_widths(model: nn.Module, family: Family | None) -> list[int]:
-    """``d_ff`` of every FFN site (the down projection's input width), where it can be told."""
-    widths = []
-    for _, mod, _ in matches(model, family.ffn if family is not None else None):
-        d = getattr(mod, "in_features", None)  # nn.Linear
-        if not isinstance(d, int):
-            d = getattr(mod, "nx", None)  # transformers Conv1D (GPT-2)
-        if not isinstance(d, int):
-            d = getattr(getattr(model, "config", None), "intermediate_size", None)
-        if isinstance(d, int) and d > 0:
-            widths.append(d)
-    return widths
-
-
-def choose_ffn_rows(model: nn.Module, family: Family | None, ffn: bool, ffn_rows: int | str,
-                     budget: float | None, row_step: int) -> tuple[int, float | None]:
-    """``(k, FLOP share of full-rate FFN streaming)``: see ``Probe(ffn_rows=)`` and ``budget.py``."""
-    if not (ffn_rows in ("auto", "all") or (isinstance(ffn_rows, int) and not isinstance(ffn_rows, bool)
-                                             and ffn_rows >= 1)):
-        raise ValueError(f"ffn_rows: expected 'auto', 'all' or an int >= 1, got {ffn_rows!r}")
-    if not ffn:
-        return 1, None
-    widths, params = ffn_widths(model, family), matmul_parameters(model)
-    share = ffn_flop_share(widths, params) if widths and params > 0 else None
-    if ffn_rows == "all":
-        return 1, share
-    if ffn_rows != "auto":
-        return ffn_rows, share
-    if share is None:  # cannot size it: stream every token
-        return 1, None
-    target = DEFAULT_FFN_SHARE if budget is None else budget
-    return auto_ffn_rows(share, target, row_step), share
 
 
 class OverheadBudget:
@@ -170,14 +77,10 @@ class OverheadBudget:
 
     def __init__(self, budget: float | None, base_every: int, base_emit_every: int = 1,
                  smoothing: float = 0.5):
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
-                                   or not 0 < budget < 1):
-            raise ValueError(f"budget: expected a fraction in (0, 1) or None, got {budget!r}")
-        for name, v in (("every", base_every), ("emit_every", base_emit_every)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
-        if not 0 < smoothing <= 1:
-            raise ValueError(f"smoothing: expected a value in (0, 1], got {smoothing!r}")
+        budget = _args.real("budget", budget, "a fraction in (0, 1) or None", lambda b: 0 < b < 1, optional=True)
+        base_every = _args.integer("every", base_every, minimum=1)
+        base_emit_every = _args.integer("emit_every", base_emit_every, minimum=1)
+        smoothing = _args.real("smoothing", smoothing, "a number in (0, 1]", lambda s: 0 < s <= 1)
         self.budget, self.base_every, self.base_emit_every = budget, base_every, base_emit_every
         self.smoothing = smoothing
         self.adapt_emission = True  # False where emissions must stay in lockstep across ranks
@@ -297,41 +200,15 @@ class OverheadBudget:
         self.last_emit = int(sd.get("last_emit", 0))
 
 
-class WorkTimer:
-    """The probe's work time per step and kind (host clock or CUDA events), per closed step."""
+# names that lived here before the timer and the FFN FLOP model got modules of their own
+_MOVED = {name: "timer" for name in ("KINDS", "WorkTimer")} | {
+    name: "ffn_sampling" for name in ("GRAM_FLOPS", "STEP_FLOPS", "DEFAULT_FFN_SHARE", "matmul_parameters",
+                                      "ffn_flop_share", "auto_ffn_rows", "ffn_widths", "choose_ffn_rows")}
 
-    def __init__(self, clock: Callable[[], float] | None = None):
-        self.clock = clock or time.perf_counter
-        self._host = dict.fromkeys(KINDS, 0.0)
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event, str]] = []
-        self._closed: deque[tuple[dict, list, Any]] = deque()  # (host seconds, events, tag) per step
 
-    def start(self, device: torch.device | None):
-        if device is not None and device.type == "cuda":
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ("cuda", ev)
-        return ("host", self.clock())
-
-    def stop(self, token, kind: str = "capture") -> None:
-        where, start = token
-        if where == "host":
-            self._host[kind] += self.clock() - start
-            return
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        self._events.append((start, end, kind))
-
-    def close_step(self, tag: Any) -> list[tuple[dict, Any]]:
-        """End the current step's timing, labelled ``tag``; returns ``({kind: seconds}, tag)`` of
-        every closed step whose CUDA events have all completed, oldest first (never syncs)."""
-        self._closed.append((self._host, self._events, tag))
-        self._host, self._events = dict.fromkeys(KINDS, 0.0), []
-        done = []
-        while self._closed and all(end.query() for _, end, _ in self._closed[0][1]):
-            host, events, t = self._closed.popleft()
-            work = dict(host)
-            for s, e, kind in events:
-                work[kind] += s.elapsed_time(e) / 1e3
-            done.append((work, t))
-        return done
+def __getattr__(name: str):
+    if name in _MOVED:
+        module = f"{__package__}.{_MOVED[name]}"
+        warnings.warn(f"{__name__}.{name} moved to {module}.{name}", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(module), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,7 +8,7 @@
 3. One :func:`~fastspec.metrics.summarize` per group, plus ``rank_at_90`` (on the variances:
    ``λ`` for ``eig``, ``σ²`` for ``sv``), ``lambda_max``, ``n``, ``rejected`` per head, and the
    layer's γ values (``gamma.py``), packed into one tensor that
-   :class:`~fastspec.probe.record.PendingRecords` copies to the host asynchronously. The spectra
+   :class:`~fastspec.probe.pending.PendingRecords` copies to the host asynchronously. The spectra
    come from PSD matrices and are clamped, so the metrics skip their negative-value check (a sync).
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ..covariance.distributed import is_distributed
 from ..metrics import rank_at, summarize
 from .families import Family
 from .gamma import gamma_values
-from .record import PendingRecords, RecordKey
+from .pending import PendingRecords, RecordKey
 from .sites import Collector, SiteCovariance, SiteKey
 
 # per-site metrics, in record order (SpectrumMetrics field names, docs/metrics.md)

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from .families import Family, matches
-from .record import RecordKey
+from .pending import RecordKey
 
 
 def gamma_values(model: nn.Module, family: Family) -> tuple[list[RecordKey], list[Tensor]]:

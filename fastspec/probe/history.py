@@ -1,17 +1,13 @@
 """Every record a probe has produced, including those whose values are still on their way.
 
-Emissions hand over :class:`~fastspec.probe.record.PendingRecords` (values copied to the host
+Emissions hand over :class:`~fastspec.probe.pending.PendingRecords` (values copied to the host
 asynchronously). :meth:`History.flush` turns those whose copy has finished into records, in
 emission order, without waiting (``block=False``) or waiting for all of them.
 """
 from __future__ import annotations
 
-from dataclasses import fields
-
-from .record import PendingRecords, Record
-
-# Record fields that hold integers or None
-INT_COLUMNS = ("step", "tokens_seen", "layer", "head_index")
+from .pending import PendingRecords
+from .record import FIELDS, INT_FIELDS, Record
 
 
 class History:
@@ -53,9 +49,8 @@ class History:
             import pandas as pd
         except ImportError as e:  # optional dependency
             raise ImportError("to_dataframe needs pandas: pip install 'fastspec[plot]'") from e
-        cols = [f.name for f in fields(Record)]
-        df = pd.DataFrame([r.as_dict() for r in self.records()], columns=cols)
-        return df.astype({c: "Int64" for c in INT_COLUMNS} | {"value": "float64"})
+        df = pd.DataFrame([r.as_dict() for r in self.records()], columns=list(FIELDS))
+        return df.astype({c: "Int64" for c in INT_FIELDS} | {"value": "float64"})
 
     def state_dict(self) -> list[dict]:
         return [r.as_dict() for r in self.records()]

@@ -8,7 +8,7 @@ Sites (docs/protocols.md):
 * ``keys_prerope``: keys after ``k_norm`` (or ``k_proj``) and before RoPE, for comparison.
 * ``ffn``: the input of the down projection, ``[B, T, d_ff]`` (forward pre-hook; flattened
   ``[B·T, d_ff]`` rows, as OPT's, are viewed as ``[B, T, d_ff]`` so the mask reaches them); while
-  streaming, by default only every k-th token, sized to the budget (``ffn_rows``, ``budget.py``).
+  streaming, by default only every k-th token, sized to the budget (``ffn_rows``, ``ffn_sampling.py``).
 * ``modules``: any module by name pattern (:class:`ModuleSite`).
 * ``gamma_k`` / ``gamma_q``: coefficient of variation of the Q/K-norm weight γ per layer.
 
@@ -32,60 +32,35 @@ docs/compile.md).
 * ``sites.py``: the sites a user can choose, and one :class:`~fastspec.Covariance` per (site, layer);
 * ``hooks.py``: installing and removing the hooks, the model's forward depth and padding mask;
 * ``routing.py``: where each capture goes (an eval measurement, the streaming totals, nowhere);
-* ``budget.py``: the streaming schedule and its overhead budget;
+* ``budget.py``: the streaming schedule and its overhead budget, from the work times of ``timer.py``;
+* ``ffn_sampling.py``: the FFN sites' streaming token sampling, from a FLOP model;
 * ``emission.py`` (and ``gamma.py``): metrics and spectra of the covariances, one eigensolve per shape;
-* ``history.py`` / ``record.py``: the records, handed to the host without a sync.
+* ``pending.py`` / ``history.py`` / ``record.py``: the records, handed to the host without a sync.
 """
 from __future__ import annotations
 
 import contextlib
-import operator
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ..covariance.policy import check_backend, check_precision
-from .budget import OverheadBudget, WorkTimer, choose_ffn_rows
+from .. import _args
+from ..covariance.policy import UpdateSettings
+from .budget import OverheadBudget
 from .emission import RECORD_METRICS, SPECTRUM_METRICS, SYNC_MODES, Emitter
 from .families import resolve_family
+from .ffn_sampling import choose_ffn_rows
 from .history import History
 from .hooks import ForwardScope, Hooks, SitePlan
 from .record import Record
 from .routing import Router
 from .sites import CONVENTIONS, Collector, module_sites
+from .timer import WorkTimer
 
 __all__ = ["RECORD_METRICS", "SPECTRUM_METRICS", "SYNC_MODES", "Probe"]
-
-
-def _check_flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}: expected True or False, got {value!r}")
-    return value
-
-
-def _check_pos_int(name: str, value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
-    return value
-
-
-def _check_int(name: str, value: Any, *, optional: bool = False, minimum: int | None = None) -> int | None:
-    """``value`` as an int (NumPy ints too, e.g. a step from ``np.arange``; not bools or floats)."""
-    if value is None and optional:
-        return None
-    try:
-        if isinstance(value, bool):  # (NumPy bools have no __index__)
-            raise TypeError
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name}: expected an int{' or None' if optional else ''}, got {value!r}") from None
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    return value
 
 
 def _unwrap_compiled(model: nn.Module) -> nn.Module:
@@ -145,7 +120,7 @@ class Probe:
             ``"auto"`` (default) keeps every k-th token with k chosen once from a FLOP model
             (full-rate FFN Grams cost ``2·N·Σd_ff²`` against ``6·N·P`` for a training step) so
             that the FFN share is at most ``budget``, or 1% of a step without one
-            (``budget.DEFAULT_FFN_SHARE``); ``"all"``: every token; an int k: every k-th token.
+            (``ffn_sampling.DEFAULT_FFN_SHARE``); ``"all"``: every token; an int k: every k-th token.
             Unbiased for the covariance, with ~k× its variance; :meth:`measure` keeps every
             token. The choice: :attr:`ffn_rows` (k), :attr:`ffn_row_step`, :meth:`overhead`.
         sync: under ``torch.distributed``: ``"all"`` ranks get the global metrics, only
@@ -158,12 +133,23 @@ class Probe:
             steps free but keeps Inductor from using CUDA graphs (docs/compile.md).
         clock: host clock for the overhead timer (seconds; default ``time.perf_counter``).
 
+    Flags take Python or NumPy bools, counts Python or NumPy ints (never bools or floats); a bad
+    argument raises naming it (``fastspec/_args.py`` holds the rules).
+
     Example::
 
         probe = fastspec.Probe(model)                      # keys (sv PR per head) + FFN
         records = probe.measure(eval_batch, step=step)     # eval protocol, every N steps
         df = probe.to_dataframe()
         spectra = probe.spectra(eval_batch)                # {(site, layer): [*heads, D]}
+
+    Hooks stay on the model while streaming (:meth:`attach`) until :meth:`detach`, or its
+    alias :meth:`close`; a probe is also a context manager that closes on exit, also on error::
+
+        with fastspec.Probe(model) as probe:
+            probe.attach()
+            train(...)                                     # probe.step(step) per optimizer step
+        # every hook is removed here; probe.records() still has the records
     """
 
     def __init__(self, model: nn.Module, *, keys: bool = True, queries: bool = False, ffn: bool = True,
@@ -176,25 +162,22 @@ class Probe:
                  clock: Callable[[], float] | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-        keys, queries = _check_flag("keys", keys), _check_flag("queries", queries)
-        ffn, prerope_keys = _check_flag("ffn", ffn), _check_flag("prerope_keys", prerope_keys)
-        self.reset_after_emit = _check_flag("reset", reset)
+        keys, queries = _args.flag("keys", keys), _args.flag("queries", queries)
+        ffn, prerope_keys = _args.flag("ffn", ffn), _args.flag("prerope_keys", prerope_keys)
+        self.reset_after_emit = _args.flag("reset", reset)
         if exact_sv is not None:
             warnings.warn("fastspec.Probe: exact_sv= is deprecated; use precision='auto' (float64 products "
                           "for sv sites) or precision='fast'", DeprecationWarning, stacklevel=2)
-            precision = "auto" if _check_flag("exact_sv", exact_sv) else "fast"
-        for name, conv in (("key_convention", key_convention), ("ffn_convention", ffn_convention)):
-            if conv not in CONVENTIONS:
-                raise ValueError(f"{name}: expected one of {CONVENTIONS}, got {conv!r}")
-        if sync not in SYNC_MODES:
-            raise ValueError(f"sync: expected one of {SYNC_MODES}, got {sync!r}")
-        if not isinstance(tp_rank, int) or isinstance(tp_rank, bool) or tp_rank < 0:
-            raise ValueError(f"tp_rank: expected an int >= 0, got {tp_rank!r}")
-        self.backend = check_backend(backend)
-        self.precision = check_precision(precision)
-        self.emit_every = _check_pos_int("emit_every", emit_every)
-        self.row_step = _check_pos_int("row_step", row_step)
-        self._budget = OverheadBudget(budget, _check_pos_int("every", every), self.emit_every)
+            precision = "auto" if _args.flag("exact_sv", exact_sv) else "fast"
+        _args.choice("key_convention", key_convention, CONVENTIONS)
+        _args.choice("ffn_convention", ffn_convention, CONVENTIONS)
+        _args.choice("sync", sync, SYNC_MODES)
+        tp_rank = _args.integer("tp_rank", tp_rank, minimum=0)
+        # checked once here; every accumulator of the probe gets this object (covariance/policy.py)
+        self.settings = UpdateSettings(precision, backend)
+        self.row_step = _args.integer("row_step", row_step, minimum=1)
+        self._budget = OverheadBudget(budget, every, emit_every)  # checks all three
+        self.emit_every = self._budget.base_emit_every
         sites = module_sites(modules)
         if not (keys or queries or ffn or prerope_keys or sites):
             raise ValueError("keys/queries/ffn/prerope_keys/modules: no site selected; turn one on or "
@@ -203,8 +186,8 @@ class Probe:
             raise TypeError(f"clock: expected a callable returning seconds, got {type(clock).__name__}")
         self.model = _unwrap_compiled(model)
         self.family = resolve_family(self.model, keys or queries or ffn or prerope_keys, prerope_keys)
-        self.ffn_rows, self.ffn_share = choose_ffn_rows(self.model, self.family, ffn, ffn_rows, budget,
-                                                         self.row_step)
+        self.ffn_rows, self.ffn_share = choose_ffn_rows(self.model, self.family, ffn, ffn_rows,
+                                                         self._budget.budget, self.row_step)
         self.sites = SitePlan(keys=keys, queries=queries, ffn=ffn, prerope_keys=prerope_keys,
                               modules=sites, key_convention=key_convention,
                               ffn_convention=ffn_convention, tp_rank=tp_rank,
@@ -215,10 +198,10 @@ class Probe:
             raise ValueError(f"modules: site name(s) {twice} used twice; give each ModuleSite its own label=")
 
         self._timer = WorkTimer(clock)
-        self._stream = Collector(self.backend, self.precision)
+        self._totals = Collector(self.settings)  # the streaming totals (all captures between emissions)
         scope = ForwardScope(self.model)
-        self._router = Router(self._stream, scope, self._timer, self.row_step,
-                              cuda_graphs=_check_flag("cuda_graphs", cuda_graphs))
+        self._router = Router(self._totals, scope, self._timer, self.row_step,
+                              cuda_graphs=_args.flag("cuda_graphs", cuda_graphs))
         self._hooks = Hooks(self.model, self.sites, self.family, self._router.capture, self._router.slot, scope)
         self._hooks.check()  # a site that matches no module fails here, not at the first measure/attach
         self._emitter = Emitter(self.model, self.family, gamma=keys or queries or prerope_keys, sync=sync,
@@ -256,7 +239,7 @@ class Probe:
         model = self.model
         modes = [(m, m.training) for m in model.modules()]
         installed_here = not self._hooks.installed
-        collector = Collector(self.backend, self.precision)
+        collector = Collector(self.settings)
         try:
             if installed_here:
                 self._hooks.install()
@@ -289,8 +272,8 @@ class Probe:
         Warns (``UserWarning``) for each site that captured no rows, with the likely reason.
         Raises ``ValueError`` if the ``attention_mask`` does not fit ``input_ids`` (``[B, T]``).
         """
-        step = _check_int("step", step)
-        tokens_seen = _check_int("tokens_seen", tokens_seen, optional=True, minimum=0)
+        step = _args.integer("step", step)
+        tokens_seen = _args.integer("tokens_seen", tokens_seen, minimum=0, optional=True)
         collector = self._eval_forward(self._as_batch(batch))
         pending = self._emitter.records(collector, step, tokens_seen, "eval")
         records = [] if pending is None else pending.materialize()
@@ -309,7 +292,7 @@ class Probe:
         (a collective: every rank must call it). Spectra stay on the device of the activations.
         """
         if batch is None:
-            return self._emitter.spectra(self._stream)
+            return self._emitter.spectra(self._totals)
         return self._emitter.spectra(self._eval_forward(self._as_batch(batch)))
 
     def _missing_hints(self) -> dict[str, str]:
@@ -361,6 +344,20 @@ class Probe:
         self._router.streaming = False
         self._hooks.remove()
 
+    def close(self) -> None:
+        """Remove every hook, as hook libraries' ``close()`` does: the same as :meth:`detach`
+        (accumulators, records and the final :meth:`step` are kept). Safe to call more than once."""
+        self.detach()
+
+    def __enter__(self) -> Probe:
+        """``with fastspec.Probe(model) as probe:`` -> the probe itself. Entering attaches nothing
+        (call :meth:`attach`, or use :meth:`streaming`, to stream; :meth:`measure` needs neither)."""
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        """:meth:`close` on leaving the block, also when it raised (the exception propagates)."""
+        self.close()
+
     @contextlib.contextmanager
     def streaming(self) -> Iterator[Probe]:
         """``with probe.streaming(): train...`` attaches, and detaches also on error."""
@@ -394,8 +391,8 @@ class Probe:
         ``streaming()`` context around each step's forwards is too. An emission while attached
         warns, once per site, for each site that has captured no rows yet, with the likely reason.
         """
-        step = _check_int("step", step)
-        tokens_seen = _check_int("tokens_seen", tokens_seen, optional=True, minimum=0)
+        step = _args.integer("step", step)
+        tokens_seen = _args.integer("tokens_seen", tokens_seen, minimum=0, optional=True)
         attached = self._router.streaming
         if not attached and not self._flush_allowed and not self._warned_step:
             self._warned_step = True
@@ -411,14 +408,14 @@ class Probe:
         emitting = budget.emit_due(self._steps_seen)
         if emitting:
             budget.emitted(self._steps_seen)
-            token = self._timer.start(self._stream.device)
+            token = self._timer.start(self._totals.device)
             overhead = budget.average_fraction
             extra = () if overhead is None else ((("probe", None, None, "overhead_fraction"), overhead),)
             if attached:
-                self._warn_missing(self._stream, f"by step {step}", stacklevel=3, once=self._warned_sites)
-            self._history.add(self._emitter.records(self._stream, step, tokens_seen, "stream", extra=extra))
+                self._warn_missing(self._totals, f"by step {step}", stacklevel=3, once=self._warned_sites)
+            self._history.add(self._emitter.records(self._totals, step, tokens_seen, "stream", extra=extra))
             if self.reset_after_emit:
-                self._stream.reset()
+                self._totals.reset()
             self._timer.stop(token, "emit")
         now = self._timer.clock()
         step_s = None if self._last_step_t is None else now - self._last_step_t
@@ -433,6 +430,10 @@ class Probe:
         self._last_step_t = now
         self._router.capture_this_step = budget.capture_due(self._steps_seen)
         return self._history.flush(block=False)
+
+    # read-only views of the settings, under the attribute names they had before settings existed
+    precision = property(lambda self: self.settings.precision, doc="Products' precision (``settings.precision``).")
+    backend = property(lambda self: self.settings.backend, doc="Covariance update backend (``settings.backend``).")
 
     @property
     def every(self) -> int:
@@ -478,7 +479,7 @@ class Probe:
         return {
             "version": 1,
             "accumulators": [{"site": s, "layer": l, **acc.state_dict()}
-                             for (s, l), acc in self._stream.sorted_items()],
+                             for (s, l), acc in self._totals.sorted_items()],
             "history": self._history.state_dict(),
             "steps_seen": self._steps_seen,
             "budget": self._budget.state_dict(),
@@ -488,7 +489,7 @@ class Probe:
         """Restore :meth:`state_dict` (accumulators are replaced, not merged)."""
         if not isinstance(sd, dict) or sd.get("version") != 1:
             raise ValueError("state_dict: not a fastspec.Probe state_dict (version 1)")
-        self._stream.load(sd["accumulators"])
+        self._totals.load(sd["accumulators"])
         self._history.load_state_dict(sd["history"])
         self._steps_seen = int(sd["steps_seen"])
         self._budget.load_state_dict(sd["budget"])

@@ -1,18 +1,20 @@
-"""``Record``: one measurement in tidy form, and the asynchronous hand-off from device to host.
+"""``Record``: one measurement in tidy form, and the record schema every reader of records uses.
 
-Metrics are computed on the device of the accumulators. Turning them into Python floats needs
-the values on the host; doing that with one ``.item()`` per metric would stall the training
-stream hundreds of times per emission. Instead every emission is packed into one ``[M, S]``
-tensor, copied with ``non_blocking=True`` into pinned host memory, and an event is recorded;
-:class:`PendingRecords` turns it into :class:`Record` objects once the event has completed
-(or when the user asks for the records, which waits for it).
+The schema is :data:`FIELDS` (the :class:`Record` fields, in order), of which :data:`NULLABLE`
+may be None (a row that lacks one gets None), and :data:`LEGACY_NAMES`, the names older files
+use for a field (``head``, now ``head_index``). :func:`normalize` turns one record (a
+:class:`Record`, a dict, any mapping or dataclass) into a dict of that schema; tables use
+:func:`conform` on their column names. ``analysis.to_frame``, ``integrations.as_dicts`` and
+:meth:`Record.from_dict` all go through these two, so a rename or a new field is made here alone.
+
+How an emission's values reach the host without a sync: ``pending.py``. Pure Python (no torch),
+so reading records (``analysis``, ``integrations``) does not import torch.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
-import torch
-from torch import Tensor
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, fields, is_dataclass
 
 PROTOCOLS = ("eval", "stream")
 
@@ -43,56 +45,66 @@ class Record:
     @property
     def head(self) -> int | None:
         """Deprecated alias of :attr:`head_index`."""
+        warnings.warn("Record.head is deprecated; use Record.head_index", DeprecationWarning, stacklevel=2)
         return self.head_index
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, row: dict) -> Record:
-        """A record from :meth:`as_dict`'s output, also from older files that name the head ``head``
-        and have no ``protocol``."""
-        row = dict(row)
-        if "head" in row and "head_index" not in row:
-            row["head_index"] = row.pop("head")
-        return cls(**{f: row.get(f) for f in _FIELDS})
+    def from_dict(cls, row: Mapping) -> Record:
+        """A record from :meth:`as_dict`'s output, also from older files (:func:`normalize`);
+        keys that are not fields (``condition``, ``width``) are left out."""
+        row = normalize(row)
+        return cls(**{f: row[f] for f in FIELDS})
 
 
-_FIELDS = ("step", "tokens_seen", "site", "layer", "head_index", "metric", "value", "protocol")
+#: the Record fields, in order: the columns of every records table
+FIELDS = tuple(f.name for f in fields(Record))
+#: fields a record may hold None in, and that a row may therefore lack: ``tokens_seen`` (not
+#: counted), ``layer`` (a site outside the layer stack), ``head_index`` (a per-layer site),
+#: ``protocol`` (a record from elsewhere, or a file written before protocols existed)
+NULLABLE = ("tokens_seen", "layer", "head_index", "protocol")
+#: fields that hold integers (or None)
+INT_FIELDS = ("step", "tokens_seen", "layer", "head_index")
+#: names older files use for a field -> the field (``head`` became ``head_index``: as a
+#: DataFrame column it hid ``DataFrame.head``)
+LEGACY_NAMES = {"head": "head_index"}
 
-# (site, layer, head, metric) for each entry of a packed value tensor
-RecordKey = tuple[str, "int | None", "int | None", str]
+
+def conform(names: Iterable[str]) -> tuple[dict[str, str], list[str]]:
+    """How a row or table with keys/columns ``names`` becomes one of the schema:
+    ``(renames {legacy name: field}, nullable fields it lacks)``; raises ``ValueError`` naming
+    the fields it lacks that cannot be None. A legacy name is renamed only where the field itself
+    is absent; other keys are kept as they are."""
+    names = set(names)
+    renames = {old: new for old, new in LEGACY_NAMES.items() if old in names and new not in names}
+    have = names | set(renames.values())
+    missing = [f for f in FIELDS if f not in have and f not in NULLABLE]
+    if missing:
+        raise ValueError(f"records: missing fields {missing} (a record needs "
+                         f"{[f for f in FIELDS if f not in NULLABLE]}; {list(NULLABLE)} may be absent)")
+    return renames, [f for f in NULLABLE if f not in have]
 
 
-class PendingRecords:
-    """Records whose values are still on their way to the host (see module docstring)."""
-
-    def __init__(self, step: int, tokens_seen: int | None, keys: list[RecordKey], values: Tensor,
-                 protocol: str | None = None):
-        if values.numel() != len(keys):
-            raise ValueError(f"values: expected {len(keys)} entries, got {values.numel()}")
-        if protocol is not None and protocol not in PROTOCOLS:
-            raise ValueError(f"protocol: expected one of {PROTOCOLS} or None, got {protocol!r}")
-        self.step, self.tokens_seen, self.keys, self.protocol = step, tokens_seen, keys, protocol
-        values = values.detach().reshape(-1).to(torch.float64)
-        self._event = None
-        if values.is_cuda:
-            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            host.copy_(values, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-            self._host = host
-        else:
-            self._host = values
-
-    def ready(self) -> bool:
-        """True when the values have reached the host (never blocks)."""
-        return self._event is None or self._event.query()
-
-    def materialize(self) -> list[Record]:
-        """The records; waits for the copy if it is still running."""
-        if self._event is not None:
-            self._event.synchronize()
-        vals = self._host.tolist()  # one bulk transfer to Python, not one sync per metric
-        return [Record(self.step, self.tokens_seen, s, l, h, m, float(v), self.protocol)
-                for (s, l, h, m), v in zip(self.keys, vals)]
+def normalize(record) -> dict:
+    """One record as a dict with every field of :data:`FIELDS`: a :class:`Record` (or anything
+    with ``as_dict()``), a dataclass instance or a mapping; legacy names renamed, absent nullable
+    fields None, other keys (e.g. ``condition``, ``width``) kept. Raises ``TypeError`` for
+    anything else, ``ValueError`` for a row without ``step``, ``site``, ``metric`` or ``value``."""
+    if type(record) is Record:
+        return record.as_dict()
+    if hasattr(record, "as_dict"):
+        row = record.as_dict()
+    elif is_dataclass(record) and not isinstance(record, type):
+        row = asdict(record)
+    elif isinstance(record, Mapping):
+        row = dict(record)
+    else:
+        raise TypeError(f"records: expected Record objects or dicts, got {type(record).__name__}")
+    renames, absent = conform(row)
+    for old, new in renames.items():
+        row[new] = row.pop(old)
+    for f in absent:
+        row[f] = None
+    return row

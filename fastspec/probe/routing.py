@@ -45,9 +45,9 @@ import torch
 from torch import Tensor
 
 from .._trace import assume_constant_result
-from .budget import WorkTimer
 from .hooks import ForwardScope
 from .sites import Collector, site_dim
+from .timer import WorkTimer
 
 
 class Slot:
@@ -83,7 +83,7 @@ def _ensure_slot(key: str, dim: tuple, device: torch.device, convention: str, he
 
     slot = _SLOTS[key]
     router = slot.router
-    acc = router.stream.ensure(slot.site, slot.layer, tuple(dim), convention, headed, head_offset, device)
+    acc = router.totals.ensure(slot.site, slot.layer, tuple(dim), convention, headed, head_offset, device)
     for t in acc.cov.state_dict()["state"].values():
         torch._dynamo.mark_static_address(t)
     gate = router.gate(device)
@@ -97,7 +97,7 @@ class Router:
     """Sends each capture to the collector it belongs to (see the module docstring).
 
     Args:
-        stream: the streaming totals.
+        totals: the streaming totals (what streaming captures are merged into).
         scope: the model's forward depth and mask.
         timer: times streaming captures for the budget.
         row_step: token sampling (every ``row_step``-th token) of measurements and of streaming
@@ -105,9 +105,9 @@ class Router:
         cuda_graphs: keep the gate of compiled captures on the activations' device (see :meth:`gate`).
     """
 
-    def __init__(self, stream: Collector, scope: ForwardScope, timer: WorkTimer, row_step: int,
+    def __init__(self, totals: Collector, scope: ForwardScope, timer: WorkTimer, row_step: int,
                  cuda_graphs: bool = False):
-        self.stream, self.scope, self.timer, self.row_step = stream, scope, timer, row_step
+        self.totals, self.scope, self.timer, self.row_step = totals, scope, timer, row_step
         self.cuda_graphs = cuda_graphs
         self.streaming = False         # attached: owned by Probe.attach / detach
         self._capture_this_step = True
@@ -167,7 +167,7 @@ class Router:
             return None
         if self._measurement is not None:
             return self._measurement
-        return self.stream if self.streaming and self.capture_this_step else None
+        return self.totals if self.streaming and self.capture_this_step else None
 
     @contextlib.contextmanager
     def measuring(self, collector: Collector) -> Iterator[Collector]:
@@ -190,7 +190,7 @@ class Router:
         target = self.destination()
         if target is None:
             return
-        streaming = target is self.stream
+        streaming = target is self.totals
         # only streaming work is the budget's to time: measure() captures would pile up CUDA
         # events (never popped without step()) and count against the streaming interval
         token = self.timer.start(x.device) if streaming else None

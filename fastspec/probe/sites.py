@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .. import _args
 from ..covariance import CONVENTIONS, Covariance
+from ..covariance.policy import UpdateSettings
 
 
 @dataclass(frozen=True)
@@ -35,17 +37,13 @@ class ModuleSite:
     label: str | None = None
 
     def __post_init__(self):
-        if not isinstance(self.pattern, str) or not self.pattern:
-            raise ValueError(f"modules: pattern must be a non-empty string, got {self.pattern!r}")
-        if self.io not in ("output", "input"):
-            raise ValueError(f"modules: io must be 'output' or 'input', got {self.io!r}")
-        if self.heads is not None and (not isinstance(self.heads, int) or isinstance(self.heads, bool)
-                                       or self.heads < 1):
-            raise ValueError(f"modules: heads must be a positive int or None, got {self.heads!r}")
-        if self.convention not in CONVENTIONS:
-            raise ValueError(f"modules: convention must be one of {CONVENTIONS}, got {self.convention!r}")
-        if self.label is not None and (not isinstance(self.label, str) or not self.label):
-            raise ValueError(f"modules: label must be a non-empty string or None, got {self.label!r}")
+        # "modules: ..." names the Probe argument these come through
+        _args.text("modules: pattern", self.pattern)
+        _args.choice("modules: io", self.io, ("output", "input"))
+        # a NumPy int is stored as an int: heads is used in shapes
+        object.__setattr__(self, "heads", _args.integer("modules: heads", self.heads, minimum=1, optional=True))
+        _args.choice("modules: convention", self.convention, CONVENTIONS)
+        _args.text("modules: label", self.label, optional=True)
 
     @property
     def site(self) -> str:
@@ -54,12 +52,13 @@ class ModuleSite:
 
 class SiteCovariance:
     """The :class:`~fastspec.Covariance` of one (site, layer), with how its records are labelled:
-    its spectrum convention and, for per-head sites, the global index of its first head."""
+    its spectrum convention and, for per-head sites, the global index of its first head.
+    ``settings``: the probe's precision and backend, handed to the accumulator as they are."""
 
     def __init__(self, dim: tuple[int, ...], convention: str, headed: bool, head_offset: int,
-                 backend: str, precision: str = "auto"):
+                 settings: UpdateSettings):
         self.convention, self.headed, self.head_offset = convention, headed, head_offset
-        self.cov = Covariance(dim, track_mean=(convention == "eig"), backend=backend, precision=precision)
+        self.cov = Covariance(dim, track_mean=(convention == "eig"), settings=settings)
 
     def state_dict(self) -> dict:
         sd = self.cov.state_dict()
@@ -68,8 +67,8 @@ class SiteCovariance:
                 "head_offset": self.head_offset, "state": state}
 
     @classmethod
-    def from_state_dict(cls, sd: dict, backend: str, precision: str = "auto") -> SiteCovariance:
-        acc = cls(tuple(sd["dim"]), sd["convention"], sd["headed"], sd["head_offset"], backend, precision)
+    def from_state_dict(cls, sd: dict, settings: UpdateSettings) -> SiteCovariance:
+        acc = cls(tuple(sd["dim"]), sd["convention"], sd["headed"], sd["head_offset"], settings)
         acc.cov.load_state_dict({"dim": tuple(sd["dim"]), "track_mean": sd["convention"] == "eig",
                                  "state": sd["state"]})
         return acc
@@ -87,13 +86,14 @@ class Collector:
     """The :class:`SiteCovariance` of every (site, layer) one schedule writes into: the running
     streaming totals, or the tokens of one eval measurement.
 
-    ``backend`` and ``precision`` go to every :class:`~fastspec.Covariance`; what they mean and
-    the accuracy of each choice is ``fastspec.covariance.policy``'s to say (by default ``sv``
-    sites, i.e. keys, get float64 products and ``eig`` sites float32 ones).
+    ``settings`` (precision and backend, checked once by the probe) go to every
+    :class:`~fastspec.Covariance`; what they mean and the accuracy of each choice is
+    ``fastspec.covariance.policy``'s to say (by default ``sv`` sites, i.e. keys, get float64
+    products and ``eig`` sites float32 ones).
     """
 
-    def __init__(self, backend: str, precision: str = "auto"):
-        self.backend, self.precision = backend, precision
+    def __init__(self, settings: UpdateSettings):
+        self.settings = settings
         self.accs: dict[SiteKey, SiteCovariance] = {}
 
     def ensure(self, site: str, layer: int | None, dim: tuple[int, ...], convention: str, headed: bool,
@@ -102,8 +102,7 @@ class Collector:
         one has another shape); with ``device``, its state is allocated there if it is not yet."""
         acc = self.accs.get((site, layer))
         if acc is None:
-            acc = self.accs[(site, layer)] = SiteCovariance(dim, convention, headed, head_offset,
-                                                         self.backend, self.precision)
+            acc = self.accs[(site, layer)] = SiteCovariance(dim, convention, headed, head_offset, self.settings)
         elif (*acc.cov.sites, acc.cov.D) != tuple(dim):
             raise ValueError(f"{site} layer {layer}: activation shape {list(dim)} (trailing) does not match "
                              f"the accumulator's {(*acc.cov.sites, acc.cov.D)}")
@@ -121,8 +120,7 @@ class Collector:
 
     def load(self, entries: list[dict]) -> None:
         """Replace the accumulators with :meth:`SiteCovariance.state_dict` entries (plus site/layer)."""
-        self.accs = {(e["site"], e["layer"]): SiteCovariance.from_state_dict(e, self.backend, self.precision)
-                     for e in entries}
+        self.accs = {(e["site"], e["layer"]): SiteCovariance.from_state_dict(e, self.settings) for e in entries}
 
     def reset(self) -> None:
         for acc in self.accs.values():
