@@ -1,18 +1,21 @@
-"""Build hook for fastspec's optional native extension ``fastspec._eig_ext`` (fastspec/eig/csrc/).
+"""Build hook for fastspec's optional native extension ``fastspec.eig._host`` (fastspec/eig/csrc/).
 
 All package metadata lives in pyproject.toml. This file only adds the extension: the host twin of
 the CUDA eigensolver and its team emulation (eig_host.cpp, bindings.cpp), plain C++ built with
 the Python's C++ compiler and pybind11. No CUDA toolkit is involved: the CUDA kernel
 (eig_kernel.cu) ships as source and is compiled at first use by NVRTC (fastspec/eig/nvrtc.py).
+Both compile with the limits of fastspec/eig/limits.py as macros (``FS_MAX_N``, ...), the one place
+they are written; this file reads them from there without importing the package (no torch here).
 
 * a C++ compiler and pybind11: the module is built; a compile error fails the install (CI must see
   a broken build).
 * no compiler, no pybind11, or ``FASTSPEC_NO_EXT=1``: no extension, one message; the package
-  installs as pure Python, ``backend="host"`` is unavailable and the CUDA kernel unaffected.
+  installs as pure Python, ``solver="host"`` is unavailable and the CUDA kernel unaffected.
 """
 from __future__ import annotations
 
 import os
+import runpy
 import shutil
 import sys
 import sysconfig
@@ -21,6 +24,7 @@ from pathlib import Path
 from setuptools import Extension, setup
 
 CSRC = Path("fastspec/eig/csrc")
+LIMITS = Path("fastspec/eig/limits.py")  # plain constants, no imports: run on its own here
 
 
 def _say(msg: str) -> None:
@@ -41,11 +45,13 @@ def _extensions() -> list[Extension]:
         _say("pybind11 not importable at build time: no host-twin extension (the CUDA kernel is compiled at run "
              "time either way)")
         return []
+    macros = runpy.run_path(str(LIMITS))["MACROS"]
     return [Extension(
-        "fastspec._eig_ext",
+        "fastspec.eig._host",
         sources=[str(CSRC / "bindings.cpp"), str(CSRC / "eig_host.cpp")],
         include_dirs=[pybind11.get_include(), str(CSRC)],
-        depends=[str(p) for p in sorted(CSRC.glob("*.h"))],
+        define_macros=[(name, str(value)) for name, value in macros.items()],
+        depends=[*(str(p) for p in sorted(CSRC.glob("*.h"))), str(LIMITS)],
         extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden", "-pthread"],
         extra_link_args=["-pthread"],  # std::thread in the test-only team emulation (eig_host.cpp)
         language="c++",

@@ -25,8 +25,9 @@ __version__ = "0.1.0"
 # public name -> submodule defining it (relative to this package)
 _LAZY_NAMES = {
     "Covariance": "covariance",
-    "backends": "eig",
+    "backends": "eig",  # deprecated name of solvers
     "eigvalsh": "eig",
+    "solvers": "eig",
     "PowerLawFit": "fits",
     "TailFit": "fits",
     "fit_power_law": "fits",
@@ -44,7 +45,7 @@ _LAZY_SUBMODULES = ("metrics", "covariance", "eig", "fits", "probe",
 if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
     from . import metrics
     from .covariance import Covariance
-    from .eig import backends, eigvalsh
+    from .eig import backends, eigvalsh, solvers
     from .fits import PowerLawFit, TailFit, fit_power_law, tail_index
     from .metrics import SpectrumMetrics, summarize
     from .probe import Probe, Record
@@ -76,6 +77,7 @@ __all__ = [
     "eigvalsh",
     "fit_power_law",
     "metrics",
+    "solvers",
     "summarize",
     "tail_index",
 ]

@@ -1,4 +1,4 @@
-"""CUDA batched eigensolver (fastspec/eig/csrc/eig_kernel.cu, ``backend="cuda"``, compiled at first
+"""CUDA batched eigensolver (fastspec/eig/csrc/eig_kernel.cu, ``solver="cuda"``, compiled at first
 use by NVRTC): same battery and criterion as the host twin (tests/test_eig_host.py), against
 torch.linalg.eigvalsh's fp32 *CUDA* error, plus the kernel-only concerns: shared-memory vs
 global-workspace paths, streams, CUDA graphs, large batches, the kernel cache. All tests need a
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fastspec
-from fastspec.eig.cases import FAMILIES, make_batch
+from fastspec.eig.matrices import FAMILIES, make_batch
 
 pytestmark = pytest.mark.gpu
 
@@ -19,7 +19,7 @@ EPS64 = float(np.finfo(np.float64).eps)
 
 
 def cuda(A: torch.Tensor) -> torch.Tensor:
-    return fastspec.eigvalsh(A, backend="cuda")
+    return fastspec.eigvalsh(A, solver="cuda")
 
 
 def reference(A: torch.Tensor) -> torch.Tensor:
@@ -35,8 +35,8 @@ def assert_within_torch_error(A32: torch.Tensor, ours: torch.Tensor) -> None:
     assert our_err <= 2 * torch_err + floor, f"error {our_err:.3g} > 2 x torch {torch_err:.3g} + {floor:.3g}"
 
 
-def test_cuda_backend_available():
-    assert fastspec.backends()["cuda"]["available"], fastspec.backends()["cuda"]["reason"]
+def test_cuda_solver_available():
+    assert fastspec.solvers()["cuda"]["available"], fastspec.solvers()["cuda"]["reason"]
 
 
 @pytest.mark.parametrize("n", [2, 8, 17, 32, 64, 100, 128, 200, 240, 256], ids=lambda n: f"n{n}")
@@ -60,7 +60,7 @@ def test_fp64(n):
 def test_matches_host_twin(n):
     # same numerics, different summation order (block reductions): agree to rounding level
     A = torch.from_numpy(make_batch("spd", n, 8)).float()
-    torch.testing.assert_close(cuda(A.cuda()).cpu(), fastspec.eigvalsh(A, backend="host"),
+    torch.testing.assert_close(cuda(A.cuda()).cpu(), fastspec.eigvalsh(A, solver="host"),
                                atol=16 * EPS32 * n**0.5, rtol=0)
 
 

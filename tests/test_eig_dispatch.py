@@ -1,25 +1,27 @@
-"""fastspec.eigvalsh as the single switch point: backend choice, fallback log line, bad input,
-the torch.library custom op (opcheck, fake impl, torch.compile). The CUDA kernel's run-time build
-and launcher: tests/test_eig_nvrtc.py."""
+"""fastspec.eigvalsh as the single switch point: solver choice, fallback log line, bad input,
+the deprecated ``backend`` names, the torch.library custom op (opcheck, fake impl, torch.compile).
+The CUDA kernel's run-time build and launcher: tests/test_eig_nvrtc.py; the limits:
+tests/test_eig_limits.py."""
 from __future__ import annotations
 
 import logging
 import os
 import sys
+import warnings
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fastspec
-from fastspec.eig import dispatch, native
-from fastspec.eig.cases import make_batch
+from fastspec.eig import dispatch, limits, native
+from fastspec.eig.matrices import make_batch
 
 needs_ext = pytest.mark.skipif(os.environ.get("FASTSPEC_NO_EXT") == "1", reason="FASTSPEC_NO_EXT=1")
 
 
-def test_backends_report():
-    b = fastspec.backends()
+def test_solvers_report():
+    b = fastspec.solvers()
     assert set(b) == {"torch", "cuda", "host"}
     for name, info in b.items():
         assert isinstance(info["available"], bool) and isinstance(info["reason"], str) and info["reason"], name
@@ -31,23 +33,23 @@ def test_backends_report():
 def test_auto_on_cpu_is_torch():
     A = torch.from_numpy(make_batch("indefinite", 20, 3)).float()
     assert torch.equal(fastspec.eigvalsh(A), torch.linalg.eigvalsh(A))
-    assert torch.equal(fastspec.eigvalsh(A, backend="torch"), torch.linalg.eigvalsh(A))
+    assert torch.equal(fastspec.eigvalsh(A, solver="torch"), torch.linalg.eigvalsh(A))
 
 
 @pytest.mark.parametrize(
-    "A, backend, exc, word",
+    "A, solver, exc, word",
     [
         (torch.zeros(3, 3, dtype=torch.int32), "auto", TypeError, "A"),
         (torch.zeros(3, 3, dtype=torch.complex64), "auto", TypeError, "A"),
         (torch.zeros(3, 4), "auto", ValueError, "A"),
         (torch.zeros(4), "auto", ValueError, "A"),
-        (torch.zeros(3, 3), "lapack", ValueError, "backend"),
-        (torch.zeros(3, 3), "cuda", ValueError, "A"),  # CPU tensor for the CUDA backend
+        (torch.zeros(3, 3), "lapack", ValueError, "solver"),
+        (torch.zeros(3, 3), "cuda", ValueError, "A"),  # CPU tensor for the CUDA solver
     ],
 )
-def test_bad_input(A, backend, exc, word):
+def test_bad_input(A, solver, exc, word):
     with pytest.raises(exc, match=word):
-        fastspec.eigvalsh(A, backend=backend)
+        fastspec.eigvalsh(A, solver=solver)
 
 
 def test_non_tensor_input():
@@ -63,7 +65,7 @@ def _fake_cuda(shape, **kw):
 
 def test_auto_fallback_logs_once(monkeypatch, caplog):
     monkeypatch.setattr(dispatch, "_fallback_logged", False)
-    monkeypatch.setattr(native, "status", lambda backend: (False, "extension built without CUDA (test)"))
+    monkeypatch.setattr(native, "status", lambda solver: (False, "extension built without CUDA (test)"))
     with caplog.at_level(logging.WARNING, logger="fastspec"), FakeTensorMode():
         A = _fake_cuda((16, 128, 128))
         for _ in range(3):
@@ -75,21 +77,23 @@ def test_auto_fallback_logs_once(monkeypatch, caplog):
 
 
 def test_auto_choice(monkeypatch):
-    monkeypatch.setattr(native, "status", lambda backend: (True, "pretend"))
+    monkeypatch.setattr(native, "status", lambda solver: (True, "pretend"))
     with FakeTensorMode():
         assert dispatch._auto(_fake_cuda((4, 128, 128))) == "cuda"
         assert dispatch._auto(_fake_cuda((4, 128, 128), dtype=torch.float64)) == "cuda"
-        assert dispatch._auto(_fake_cuda((4, native.CUDA_MAX_N + 1, native.CUDA_MAX_N + 1))) == "torch"
+        n = limits.AUTO_MAX_N
+        assert dispatch._auto(_fake_cuda((4, n, n))) == "cuda"
+        assert dispatch._auto(_fake_cuda((4, n + 1, n + 1))) == "torch"
         assert dispatch._auto(_fake_cuda((4, 64, 64)).requires_grad_()) == "torch"  # no autograd natively
         assert dispatch._auto(torch.empty(4, 64, 64)) == "torch"  # CPU: LAPACK beats the serial twin
         # chosen "cuda" goes through the custom op, whose fake impl gives the shape
         assert fastspec.eigvalsh(_fake_cuda((2, 3, 64, 64))).shape == (2, 3, 64)
 
 
-def test_explicit_backend_unavailable_raises(monkeypatch):
-    monkeypatch.setattr(native, "status", lambda backend: (False, "not built (test)"))
+def test_explicit_solver_unavailable_raises(monkeypatch):
+    monkeypatch.setattr(native, "status", lambda solver: (False, "not built (test)"))
     with pytest.raises(RuntimeError, match="not built"):
-        fastspec.eigvalsh(torch.eye(3), backend="host")
+        fastspec.eigvalsh(torch.eye(3), solver="host")
 
 
 @needs_ext
@@ -108,7 +112,7 @@ def test_torch_compile_fullgraph(dynamic):
     A = torch.from_numpy(make_batch("spd", 24, 4)).float()
 
     def f(x):
-        return fastspec.eigvalsh(x, backend="host").sum(-1)
+        return fastspec.eigvalsh(x, solver="host").sum(-1)
 
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=dynamic)
     assert torch.equal(compiled(A), f(A))
@@ -129,16 +133,16 @@ def _nonfinite_batch(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("backend", ["torch", "auto", pytest.param("host", marks=needs_ext)])
-def test_nonfinite_matrix_gives_nan_row_on_every_backend(backend, dtype):
+@pytest.mark.parametrize("solver", ["torch", "auto", pytest.param("host", marks=needs_ext)])
+def test_nonfinite_matrix_gives_nan_row_on_every_solver(solver, dtype):
     A, bad = _nonfinite_batch(dtype)
-    out = fastspec.eigvalsh(A, backend=backend)
+    out = fastspec.eigvalsh(A, solver=solver)
     assert out.shape == (7, 5) and out.dtype == dtype
     for i in range(7):
         if i in bad:
             assert torch.isnan(out[i]).all(), i
         else:  # neighbours of a NaN matrix get what they get alone (LAPACK: to round-off, batched or not)
-            torch.testing.assert_close(out[i], fastspec.eigvalsh(A[i], backend=backend))
+            torch.testing.assert_close(out[i], fastspec.eigvalsh(A[i], solver=solver))
 
 
 def test_nonfinite_matrix_under_autograd_keeps_finite_gradients():
@@ -150,26 +154,25 @@ def test_nonfinite_matrix_under_autograd_keeps_finite_gradients():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
-@pytest.mark.parametrize("backend", ["auto", pytest.param("host", marks=needs_ext)])
-def test_numpy_array_in_numpy_array_out(backend, dtype):
+@pytest.mark.parametrize("solver", ["auto", pytest.param("host", marks=needs_ext)])
+def test_numpy_array_in_numpy_array_out(solver, dtype):
     np = pytest.importorskip("numpy")
-    if backend == "host" and dtype == "float16":
+    if solver == "host" and dtype == "float16":
         pytest.skip("host takes float32/float64")
     a = make_batch("spd", 6, 3).astype(dtype)
     a_before = a.copy()
-    out = fastspec.eigvalsh(a, backend=backend)
+    out = fastspec.eigvalsh(a, solver=solver)
     assert type(out) is np.ndarray and out.dtype == a.dtype and out.shape == (3, 6)
-    assert np.array_equal(out, fastspec.eigvalsh(torch.from_numpy(a), backend=backend).numpy())
+    assert np.array_equal(out, fastspec.eigvalsh(torch.from_numpy(a), solver=solver).numpy())
     assert np.array_equal(a, a_before)  # zero-copy in, never written
     strided = a.transpose(0, 2, 1)  # a non-contiguous view: DLPack carries the strides
-    assert np.array_equal(fastspec.eigvalsh(strided, backend=backend),
-                          fastspec.eigvalsh(torch.from_numpy(a).mT, backend=backend).numpy())
+    assert np.array_equal(fastspec.eigvalsh(strided, solver=solver),
+                          fastspec.eigvalsh(torch.from_numpy(a).mT, solver=solver).numpy())
 
 
+@pytest.mark.gpu
 def test_cupy_array_in_cupy_array_out():
     cupy = pytest.importorskip("cupy")
-    if not torch.cuda.is_available() or cupy.cuda.runtime.getDeviceCount() == 0:
-        pytest.skip("needs CUDA for cupy")
     a = cupy.asarray(make_batch("gram-activations", 64, 8)).astype(cupy.float32)
     out = fastspec.eigvalsh(a)
     assert type(out) is cupy.ndarray and out.dtype == a.dtype and out.shape == (8, 64)
@@ -209,3 +212,42 @@ def test_dlpack_result_goes_back_through_the_libraries_from_dlpack(monkeypatch):
 def test_non_array_input_names_the_argument(bad):
     with pytest.raises(TypeError, match="^A: expected a torch.Tensor or a DLPack array"):
         fastspec.eigvalsh(bad)
+
+
+# ------------------------------------------------------------------- the deprecated backend names
+
+
+def test_deprecated_backend_keyword_warns_and_solves_the_same():
+    A = torch.from_numpy(make_batch("indefinite", 12, 3)).float()
+    with pytest.warns(DeprecationWarning, match=r"backend= is deprecated, use solver=") as record:
+        out = fastspec.eigvalsh(A, backend="torch")
+    assert torch.equal(out, fastspec.eigvalsh(A, solver="torch"))
+    assert len(record) == 1 and record[0].filename == __file__  # pointed at the caller, said once
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="^solver: expected one of"):
+        fastspec.eigvalsh(A, backend="lapack")
+    with pytest.raises(TypeError, match="^solver, backend: pass solver= alone"):
+        fastspec.eigvalsh(A, solver="torch", backend="torch")
+    # code traced with the old keyword keeps working: a warning inside dynamo would break the graph
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: fastspec.eigvalsh(x, backend="torch"), backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(A), out)
+
+
+def test_new_names_do_not_warn():
+    A = torch.eye(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        fastspec.eigvalsh(A, solver="torch")
+        fastspec.solvers()
+        assert fastspec.eig.SOLVERS == dispatch.SOLVERS == ("auto", "torch", "cuda", "host")
+
+
+def test_deprecated_backends_names_warn_and_alias_the_new_ones():
+    with pytest.warns(DeprecationWarning, match=r"backends\(\) is deprecated, use solvers\(\)"):
+        assert fastspec.backends() == fastspec.solvers()
+    for module in (fastspec.eig, dispatch):
+        with pytest.warns(DeprecationWarning, match="BACKENDS is deprecated, use SOLVERS") as record:
+            assert module.BACKENDS is dispatch.SOLVERS
+        assert record[0].filename == __file__
+    with pytest.raises(AttributeError, match="no attribute 'SOLVER'"):
+        fastspec.eig.SOLVER  # noqa: B018 - the module __getattr__ still refuses unknown names

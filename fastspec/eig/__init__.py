@@ -1,7 +1,26 @@
-"""Batched symmetric eigenvalues: one switch point (dispatch.py) between torch.linalg and
-fastspec's native solver, whose sources are in fastspec/eig/csrc/: the CUDA kernel, compiled at
-first use by NVRTC (nvrtc.py) and launched on torch's stream (cuda.py), and its host twin
-(native.py, the custom op both run through)."""
-from .dispatch import BACKENDS, backends, eigvalsh
+"""Batched symmetric eigenvalues, the whole op in this folder (docs/kernels.md):
 
-__all__ = ["BACKENDS", "eigvalsh", "backends"]
+* ``dispatch.py``: ``eigvalsh(A, solver=...)``, the one switch point between the solvers;
+* ``reference.py``: the plain-torch solver (``torch.linalg.eigvalsh`` with the NaN rule), the
+  reference and the fallback;
+* ``native.py``: the ``torch.ops.fastspec.eigvalsh`` custom op both native solvers run through,
+  and the host twin's launcher (module ``_host``, built by setup.py from ``fastspec/eig/csrc/``);
+* ``cuda.py`` (launch plan, driver) and ``nvrtc.py`` (compile at first use, disk cache) for the
+  CUDA kernel; ``precompile.py`` fills the cache ahead of time;
+* ``limits.py``: the limits and layout numbers, the one place they are written (the C++/CUDA
+  sources get them as macros);
+* ``matrices.py``: the test-matrix families the tests and ``fastspec compare`` draw from;
+* ``fastspec/eig/csrc/``: the kernel, the shared numerics and the host twin's sources (shipped in the wheel).
+"""
+from .dispatch import SOLVERS, backends, eigvalsh, solvers
+
+__all__ = ["SOLVERS", "backends", "eigvalsh", "solvers"]
+
+
+def __getattr__(name: str):
+    if name == "BACKENDS":  # the deprecated name of SOLVERS
+        from .dispatch import _deprecated
+
+        _deprecated("BACKENDS", "SOLVERS")
+        return SOLVERS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,8 +10,9 @@ the first call (compile and load) has happened outside the capture.
 
 The plan (what :func:`plan` decides per problem, from :class:`DeviceSpec`):
 
-* threads = ``round_up(n, 32)``, at most 256: one column, later one eigenvalue, per thread;
-* the matrix in shared memory when ``sizeof(real) * (block_work_elems(n) + 64)`` fits the
+* threads = ``round_up(n, 32)``, at most ``MAX_THREADS``: one column, later one eigenvalue, per
+  thread (the limits and layout numbers are :mod:`.limits`'s, the one place they are written);
+* the matrix in shared memory when ``sizeof(real) * (block_work_elems(n) + SCRATCH)`` fits the
   per-block opt-in (227 KiB on H100: fp32 n <= 237, fp64 n <= 166); else a global workspace of
   one n x n matrix per block, the grid capped at 4 blocks per SM;
 * register budget (launch bounds): sized for the blocks that shared memory lets reside on one SM
@@ -31,13 +32,9 @@ from torch import Tensor
 
 from .._trace import assume_constant_result
 from . import nvrtc
+from .limits import GRID, MAX_N, MAX_THREADS, SCRATCH
 from .nvrtc import KernelUnavailable, Variant
 
-AUTO_MAX_N = 256  # design envelope: "auto" solves n <= 256 here, larger n with torch.linalg
-MAX_N = 1024      # hard limit (backend="cuda"): six shared vectors of n reals beside the matrix
-MAX_THREADS = 256
-KGRID = 128       # eig_core.h's kGrid: the bisection's grid counts need max(n, 128) reals
-SCRATCH = 64      # reals of reduction scratch after the work arrays (BlockTeam::reduce)
 RESERVED_SMEM = 1024  # shared memory the driver keeps per block on sm_80 and newer
 ITEMSIZE = {"float32": 4, "float64": 8}
 REGISTER_THREADS = 512  # threads per SM the 64K registers are sized for at most: >= 128 per thread
@@ -51,7 +48,7 @@ def block_work_elems(n: int, matrix_here: bool) -> int:
     """Reals of one block's work arrays: eig_core.h's ``block_work_elems`` (the two are checked
     equal by tests/test_eig_nvrtc.py): ``[matrix n x (n + 1)] [d, e, v, w, v2] [p2]``."""
     n4 = _round_up4(n)
-    return (_round_up4(n * (n + 1)) if matrix_here else 0) + 5 * n4 + max(n4, KGRID)
+    return (_round_up4(n * (n + 1)) if matrix_here else 0) + 5 * n4 + max(n4, GRID)
 
 
 def smem_bytes(n: int, dtype: str, matrix_here: bool) -> int:
@@ -159,7 +156,7 @@ _binding: list[tuple[bool, str]] = []
 
 
 def status() -> tuple[bool, str]:
-    """``(available, reason)`` of the CUDA backend in this process (cheap after the first call)."""
+    """``(available, reason)`` of the CUDA solver in this process (cheap after the first call)."""
     if not _binding:
         _binding.append(_binding_status())
     ok, why = _binding[0]

@@ -2,14 +2,15 @@
 
 ``torch.ops.fastspec.eigvalsh(A)`` runs fastspec's solver on ``A``'s device: on CUDA the kernel
 compiled at first use by NVRTC (:mod:`.cuda`, :mod:`.nvrtc`), on CPU the host twin of the same
-numerics (``fastspec/eig/csrc/eig_host.cpp``, module ``fastspec._eig_ext``, built by setup.py with a C++
-compiler). The op has a fake implementation, so it traces under ``torch.compile``. When the CUDA
-kernel cannot be had (no NVRTC, a compile error, a driver too old), the op says why once on the
-``fastspec`` logger and solves with :func:`torch_eigvalsh` instead: never a crash.
+numerics (``fastspec/eig/csrc/eig_host.cpp``, module ``fastspec.eig._host``, built by setup.py with
+a C++ compiler). The op has a fake implementation, so it traces under ``torch.compile``. When the
+CUDA kernel cannot be had (no NVRTC, a compile error, a driver too old), the op says why once on
+the ``fastspec`` logger and solves with :func:`.reference.eigvalsh_reference` instead: never a crash.
 
 The host launcher flattens ``A: [..., n, n]`` to ``[B, n, n]`` (a view when the strides allow, a
 copy otherwise), passes element strides and allocates ``out: [B, n]``. The extension is
-optional: importing this module never fails; :func:`status` says what is usable and why not.
+optional: importing this module never fails; :func:`status` says what is usable and why not. A
+build compiled with other limits than :mod:`.limits` (a stale build) is not used.
 """
 from __future__ import annotations
 
@@ -20,50 +21,52 @@ import torch
 from torch import Tensor
 
 from . import cuda as _cuda
+from . import limits
 from .nvrtc import KernelUnavailable
+from .reference import eigvalsh_reference
 
-try:
-    from fastspec import _eig_ext as _ext
 
-    _EXT_ERROR = ""
-except ImportError as exc:  # not built (no compiler, FASTSPEC_NO_EXT=1) or built for another Python
-    _ext = None
-    _EXT_ERROR = f"native extension fastspec._eig_ext not importable ({exc}); build it with a C++ compiler"
+def _load_host() -> tuple[object | None, str]:
+    """``(the host-twin module, "")``, or ``(None, why it cannot be used)``."""
+    try:
+        from . import _host
+    except ImportError as exc:  # not built (no compiler, FASTSPEC_NO_EXT=1) or built for another Python
+        return None, f"native extension fastspec.eig._host not importable ({exc}); build it with a C++ compiler"
+    # a build left from other limits would accept sizes the kernel rejects, or size its team wrongly
+    built = {name: getattr(_host, name.removeprefix("FS_"), None) for name in limits.MACROS}
+    if built != limits.MACROS:
+        return None, (f"native extension fastspec.eig._host was built with other limits ({built}) than "
+                      f"fastspec/eig/limits.py ({limits.MACROS}); rebuild it (pip install -e .)")
+    return _host, ""
+
+
+_ext, _EXT_ERROR = _load_host()
 
 DTYPES = (torch.float32, torch.float64)
-CUDA_MAX_N = _cuda.AUTO_MAX_N  # "auto" sends larger n to torch.linalg
 
 log = logging.getLogger("fastspec")
 _op_fallback_logged: list[str] = []
 
 
-def status(backend: str) -> tuple[bool, str]:
-    """``(available, reason)`` of the ``"host"`` or ``"cuda"`` native backend in this process."""
-    if backend == "cuda":
+def status(solver: str) -> tuple[bool, str]:
+    """``(available, reason)`` of the ``"host"`` or ``"cuda"`` native solver in this process."""
+    if solver == "cuda":
         return _cuda.status()
     if _ext is None:
         return False, _EXT_ERROR
-    return True, "host twin of the CUDA solver (fastspec/eig/csrc/eig_core.h, serial), float32/float64 CPU tensors"
+    return True, ("host twin of the CUDA solver (fastspec/eig/csrc/eig_core.h, serial), float32/float64 CPU tensors, "
+                  f"n <= {limits.MAX_N}")
 
 
-def torch_eigvalsh(A: Tensor) -> Tensor:
-    """``torch.linalg.eigvalsh`` with the native backends' NaN rule: a matrix whose lower triangle
-    holds NaN/Inf gets all-NaN eigenvalues, solved as a zero matrix so LAPACK never sees it."""
-    # unsqueeze, not [..., None]: Ellipsis indexing breaks FakeTensorMode CUDA tensors on CPU builds
-    bad = torch.isfinite(A).logical_not().tril_().flatten(-2).any(-1).unsqueeze(-1)  # [..., 1]
-    w = torch.linalg.eigvalsh(torch.where(bad.unsqueeze(-1), 0, A))
-    return w.masked_fill(bad, float("nan"))
-
-
-def _require(backend: str) -> None:
-    ok, reason = status(backend)
+def _require(solver: str) -> None:
+    ok, reason = status(solver)
     if not ok:
-        raise RuntimeError(f"eigvalsh backend={backend!r} unavailable: {reason}")
+        raise RuntimeError(f"eigvalsh solver={solver!r} unavailable: {reason}")
 
 
 def _flatten(A: Tensor) -> tuple[Tensor, Tensor]:
     """``A: [..., n, n]`` -> ``(A3: [B, n, n], out: [B, n])`` on ``A``'s device, after the dtype
-    check. Both native backends launch on these."""
+    check. Both native solvers launch on these."""
     if A.dtype not in DTYPES:
         raise TypeError(f"A: native eigvalsh takes float32/float64, got {A.dtype}")
     n = A.shape[-1]
@@ -104,7 +107,7 @@ def cuda_eigvalsh(A: Tensor) -> Tensor:
                 _op_fallback_logged.append(reason)
                 log.warning("fastspec.eigvalsh: CUDA eigensolver unavailable (%s); using torch.linalg.eigvalsh",
                             reason)
-            out.copy_(torch_eigvalsh(A3))
+            out.copy_(eigvalsh_reference(A3))
     return out.reshape(A.shape[:-1])
 
 

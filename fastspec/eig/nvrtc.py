@@ -34,6 +34,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import limits
+
 log = logging.getLogger("fastspec")
 
 CSRC = Path(__file__).with_name("csrc")
@@ -55,7 +57,7 @@ class Variant:
     dtype: str        # "float32" | "float64"
     n: int            # matrix size
     smem: bool        # the matrix in shared memory (else a global workspace)
-    threads: int      # block size: round_up(n, 32), at most 256
+    threads: int      # block size: round_up(n, 32), at most limits.MAX_THREADS
     min_blocks: int   # resident blocks per SM the register budget is sized for (launch bounds)
 
     def defines(self) -> list[str]:
@@ -199,7 +201,9 @@ def sources() -> dict[str, str]:
 
 
 def _options(variant: Variant, target: Target, extra: tuple[str, ...]) -> list[str]:
-    return [target.option, *OPTIONS, *variant.defines(), *extra]
+    """NVRTC's options: the target, :data:`OPTIONS`, the limits every build of the sources gets
+    (:func:`.limits.defines`), the variant's macros, then ``extra``."""
+    return [target.option, *OPTIONS, *limits.defines(), *variant.defines(), *extra]
 
 
 def _key(variant: Variant, target: Target, nvrtc_version: tuple[int, int], extra: tuple[str, ...]) -> str:

@@ -1,22 +1,20 @@
 """Fill the CUDA eigensolver's kernel cache ahead of time, for a GPU that need not be here.
 
-    python -m fastspec.eig.precompile --arch 90 [--n 64 128 256] [--dtype float32 float64] [--jobs N]
+    fastspec precompile --arch 90 [--n 64 128 256] [--dtype float32 float64] [--jobs N]
+    python -m fastspec.eig.precompile ...       # the same command
 
-Compiles, in parallel, the variants a GPU of compute capability ``--arch`` would compile at first
-use (the same plan as :mod:`.cuda`, from the arch's shared-memory table) into ``$FASTSPEC_CACHE``
-(:mod:`.nvrtc`), and prints each one's time: for a container image or a shared cluster cache
-built once, and for the GPU kit, which fills its cache before its timed steps.
+:func:`precompile` compiles, in parallel, the variants a GPU of compute capability ``arch`` would
+compile at first use (the same plan as :mod:`.cuda`, from the arch's shared-memory table) into
+``$FASTSPEC_CACHE`` (:mod:`.nvrtc`), and returns each one's time: for a container image or a
+shared cluster cache built once, and for the GPU kit, which fills its cache before its timed
+steps. The command line is :mod:`fastspec.commands.precompile`.
 """
 from __future__ import annotations
 
-import argparse
-import os
 import sys
-import time
 
 from . import nvrtc
-from .cuda import ITEMSIZE, MAX_N, DeviceSpec, variant_for
-from .nvrtc import KernelUnavailable
+from .cuda import DeviceSpec, variant_for
 
 
 def _compile_one(args: tuple[int, str, int]) -> tuple[str, str, float]:
@@ -25,44 +23,25 @@ def _compile_one(args: tuple[int, str, int]) -> tuple[str, str, float]:
     return img.variant.tag, img.origin, img.seconds
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fastspec.eig.precompile",
-                                description="Compile the CUDA eigensolver ahead of time into the kernel cache.")
-    p.add_argument("--arch", type=int, required=True, help="compute capability, e.g. 90 for H100/H200")
-    p.add_argument("--n", type=int, nargs="+", default=[64, 128, 256], help="matrix sizes (default 64 128 256)")
-    p.add_argument("--dtype", nargs="+", default=["float32", "float64"], choices=sorted(ITEMSIZE))
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles")
-    args = p.parse_args(argv)
-    bad = [n for n in args.n if not 1 <= n <= MAX_N]
-    if bad:
-        p.error(f"--n: sizes must be in [1, {MAX_N}], got {bad}")
-    try:
-        DeviceSpec.for_arch(args.arch)
-    except ValueError as exc:
-        p.error(f"--arch: {exc}")
-    try:
-        ver = nvrtc.version()
-    except KernelUnavailable as exc:
-        print(f"fastspec: {exc}", file=sys.stderr)
-        return 1
-    jobs = [(args.arch, d, n) for d in args.dtype for n in args.n]
-    print(f"NVRTC {ver[0]}.{ver[1]}, cache {nvrtc.cache_dir()}, {len(jobs)} variants for sm_{args.arch}")
-    t0 = time.perf_counter()
-    try:
-        if args.jobs > 1 and len(jobs) > 1:
-            from concurrent.futures import ProcessPoolExecutor  # noqa: PLC0415
+def precompile(arch: int, sizes, dtypes, jobs: int = 1) -> list[tuple[str, str, float]]:
+    """Compile the variant of every (dtype in ``dtypes``, n in ``sizes``) for sm_``arch`` into the
+    kernel cache, ``jobs`` processes at a time; ``(tag, origin, seconds)`` per variant, where
+    ``origin`` says whether NVRTC compiled it or the cache had it. Raises
+    :class:`~.nvrtc.KernelUnavailable` when NVRTC cannot compile here."""
+    todo = [(arch, d, n) for d in dtypes for n in sizes]
+    if jobs > 1 and len(todo) > 1:
+        from concurrent.futures import ProcessPoolExecutor  # noqa: PLC0415
 
-            with ProcessPoolExecutor(min(args.jobs, len(jobs))) as pool:
-                done = list(pool.map(_compile_one, jobs))
-        else:
-            done = [_compile_one(j) for j in jobs]
-    except KernelUnavailable as exc:
-        print(f"fastspec: {exc}", file=sys.stderr)
-        return 1
-    for tag, origin, seconds in done:
-        print(f"  {tag:<36} {origin:<6} {seconds * 1e3:8.1f} ms")
-    print(f"done in {time.perf_counter() - t0:.1f} s")
-    return 0
+        with ProcessPoolExecutor(min(jobs, len(todo))) as pool:
+            return list(pool.map(_compile_one, todo))
+    return [_compile_one(j) for j in todo]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m fastspec.eig.precompile ARGS`` runs ``fastspec precompile ARGS``."""
+    from ..cli import main as cli_main
+
+    return cli_main(["precompile", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 // host twin (eig_host.cpp, built by setup.py) run exactly this code, so CPU-only CI checks the
 // algorithm itself.
 //
-// Design envelope: eigenvalues only, real symmetric, n <= 256 (tuned for n = 128), float or
-// double. One "team" per matrix: a CUDA thread block on the device, a single thread on the host.
+// Design envelope: eigenvalues only, real symmetric, n up to a few hundred (tuned for n = 128;
+// the limits are in fastspec/eig/limits.py), float or double. One "team" per matrix: a CUDA
+// thread block on the device, a single thread on the host.
 // Loops are written `for (i = team.rank(); i < n; i += team.size())` with explicit team.sync()
 // barriers, so the same source is a parallel block algorithm on the GPU and a serial one on the
 // host. Team reductions return bitwise-identical values on every member, which keeps every
@@ -30,6 +31,12 @@
 //   5. ascending order enforced by a parallel rank sort (rounding may swap neighbours), scale back.
 // Error: backward stable, |lambda - lambda_exact| <= c(n) * eps * ||A||_2, like LAPACK xSYEVD.
 #pragma once
+
+// The limits and layout numbers are written once, in fastspec/eig/limits.py; NVRTC
+// (fastspec/eig/nvrtc.py) and setup.py pass them in as macros, so no copy here can drift.
+#if !defined(FS_MAX_N) || !defined(FS_MAX_THREADS) || !defined(FS_GRID) || !defined(FS_SCRATCH)
+#error "compile with the macros of fastspec/eig/limits.py: FS_MAX_N, FS_MAX_THREADS, FS_GRID, FS_SCRATCH"
+#endif
 
 #if defined(__CUDACC_RTC__)
 // NVRTC ships no C or C++ standard headers: the constants and the one type used below, spelled
@@ -164,7 +171,12 @@ template <class Real> struct Work {
              // and max(n, kGrid) long (work_vector_elems)
 };
 
-constexpr int kGrid = 128;  // grid cells of the bisection's first, team-wide count pass
+constexpr int kGrid = FS_GRID;  // grid cells of the bisection's first, team-wide count pass
+constexpr int kMaxN = FS_MAX_N;  // largest n of the native solvers (the kernel and the host twin)
+constexpr int kMaxThreads = FS_MAX_THREADS;  // largest team: the CUDA block, the host team emulation
+constexpr int kScratch = FS_SCRATCH;  // reals of reduction scratch after a block's work arrays
+static_assert(kGrid > 0 && kMaxN > 0 && kMaxThreads % 32 == 0 && kMaxThreads <= 1024, "limits.py: bad values");
+static_assert(kScratch >= 2 * (kMaxThreads / 32), "limits.py: SCRATCH holds two halves of one real per warp");
 
 #if !defined(__CUDACC_RTC__)
 // Reals of the six vectors of Work, d..p2, for the host twin (each n long, p2 >= kGrid).

@@ -1,6 +1,6 @@
 // eig_host.cpp — host twin: eig_core.h with a one-thread team, matrix by matrix. It exists so
-// CPU-only CI tests the solver's numerics (fastspec.eigvalsh(A, backend="host")); it is not
-// tuned for speed (torch's LAPACK path is the CPU backend of choice).
+// CPU-only CI tests the solver's numerics (fastspec.eigvalsh(A, solver="host")); it is not
+// tuned for speed (torch's LAPACK path is the CPU solver of choice).
 //
 // Also here, for tests only: the same eig_core.h code run by a team of real threads with the
 // CUDA kernel's team size, shared-memory layout (padded rows, 16-byte-aligned vectors of
@@ -66,7 +66,7 @@ struct ThreadTeam {
   Barrier* bar;
   void* scratch;  // 2 halves of kMaxLanes reals: every lane's value (a warp shuffle reads them)
   mutable unsigned parity;
-  static constexpr int kMaxLanes = 256;
+  static constexpr int kMaxLanes = kMaxThreads;  // the CUDA block's cap
 
   int rank() const { return me; }
   int size() const { return nt; }

@@ -6,10 +6,11 @@
 // n is a compile-time constant: every loop bound and row stride of eig_core.h folds, so every n
 // gets the constant row offsets that only n = 128 had when n was a run-time argument.
 //
-// Design envelope: n <= 256, aimed at n = 128 and batches of 256..4096 (one probe of a 1.5B
-// model). fp32 and fp64. The per-matrix numerics are eig_core.h (shared with the host twin).
-//   * block = round_up(n, 32) threads, capped at 256 (FS_THREADS): one matrix column (and later one
-//     eigenvalue) per thread. Reductions: warp shuffles + one shared word per warp, two
+// Design envelope: n <= AUTO_MAX_N (fastspec/eig/limits.py, where every limit is written), aimed
+// at n = 128 and batches of 256..4096 (one probe of a 1.5B model). fp32 and fp64. The per-matrix
+// numerics are eig_core.h (shared with the host twin).
+//   * block = round_up(n, 32) threads, capped at FS_MAX_THREADS (FS_THREADS): one matrix column
+//     (and later one eigenvalue) per thread. Reductions: warp shuffles + one shared word per warp, two
 //     alternating scratch halves (one barrier per reduction).
 //   * the full matrix sits in shared memory when it fits, rows padded to n + 1 (a column's entries
 //     in distinct banks): fp32 n <= 237, fp64 n <= 166 within the 227 KiB H100 opt-in; otherwise
@@ -41,22 +42,26 @@
 //      if 12 warps per SM hide the latencies. Target <= 2 ms; the 1 ms stretch needs the matrix
 //      in registers (2 threads per column, no LDS/STS of the element: ~4 instructions per
 //      element and reflector). NOT MEASURED on a GPU yet.
-//   * n > 256 (up to 1024) runs, on the workspace path; fastspec.eigvalsh's "auto" sends it to
-//     torch.linalg.eigvalsh.
+//   * n > AUTO_MAX_N (up to FS_MAX_N) runs, on the workspace path; fastspec.eigvalsh's "auto"
+//     sends it to torch.linalg.eigvalsh.
 // No headers at all (NVRTC has none): raw device pointers and element strides.
 #include "eig_core.h"
 
 #if !defined(FS_REAL) || !defined(FS_N) || !defined(FS_SMEM) || !defined(FS_THREADS) || !defined(FS_MIN_BLOCKS)
 #error "compiled by fastspec/eig/nvrtc.py: it defines FS_REAL, FS_N, FS_SMEM, FS_THREADS, FS_MIN_BLOCKS"
 #endif
+static_assert(FS_N >= 1 && FS_N <= fastspec::kMaxN, "FS_N: outside [1, FS_MAX_N] (fastspec/eig/limits.py)");
+static_assert(FS_THREADS <= fastspec::kMaxThreads, "FS_THREADS: above FS_MAX_THREADS (fastspec/eig/limits.py)");
 
 namespace fastspec {
 
 // Team = the thread block of kSize threads, a multiple of 32 (full-warp shuffles). The size is a
 // compile-time constant: strided loops over n <= kSize members become one predicated pass.
 template <int kSize> struct BlockTeam {
-  static_assert(kSize % 32 == 0 && kSize > 0 && kSize <= 1024, "block size: a multiple of 32");
-  void* scratch;  // >= 64 reals of shared memory
+  static_assert(kSize % 32 == 0 && kSize > 0, "block size: a multiple of 32");
+  static constexpr int kHalf = kScratch / 2;  // one real per warp in each scratch half
+  static_assert(kSize / 32 <= kHalf, "FS_SCRATCH: too small for this block's warps");
+  void* scratch;  // kScratch reals of shared memory
   mutable unsigned parity;  // which half of scratch the next reduction uses
   __device__ int rank() const { return threadIdx.x; }
   __device__ int size() const { return kSize; }
@@ -67,7 +72,7 @@ template <int kSize> struct BlockTeam {
     // two scratch halves, alternating: one barrier per reduction. Reduction i + 2 reuses the half
     // of reduction i only after every thread has passed reduction i + 1's barrier, which each
     // reaches after folding reduction i's totals (all threads run the same reductions in order).
-    Real* s = static_cast<Real*>(scratch) + (parity++ & 1u) * 32;
+    Real* s = static_cast<Real*>(scratch) + (parity++ & 1u) * kHalf;
     if ((threadIdx.x & 31) == 0) s[threadIdx.x >> 5] = x;
     __syncthreads();
     // every thread folds the warp totals in the same order: bitwise-identical result everywhere,
@@ -90,7 +95,7 @@ template <int kSize> struct BlockTeam {
 // in: batch matrices [n, n] at in + b*sb, element (r, c) at r*sr + c*sc (lower triangle read);
 // out: batch vectors [n] at out + b*osb, ascending. Strides in elements. work: one n x n matrix per
 // block of the grid when FS_SMEM is 0 (unused otherwise). Dynamic shared memory:
-// sizeof(FS_REAL) * (block_work_elems(FS_N, FS_SMEM) + 64) bytes (fastspec/eig/cuda.py's plan).
+// sizeof(FS_REAL) * (block_work_elems(FS_N, FS_SMEM) + FS_SCRATCH) bytes (fastspec/eig/cuda.py's plan).
 extern "C" __global__ void __launch_bounds__(FS_THREADS, FS_MIN_BLOCKS)
 fastspec_eigvalsh(const FS_REAL* __restrict__ in, FS_REAL* __restrict__ out, FS_REAL* work, long long batch,
                   long long sb, long long sr, long long sc, long long osb) {
