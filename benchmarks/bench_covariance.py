@@ -1,6 +1,6 @@
 """Per-head bf16 key and FFN activation covariance accumulation: fastspec vs the plain-torch path.
 
-Cases: ``fastspec.bench.cases("covariance", ...)``; parametrization and body: ``conftest.py``.
+Cases: ``fastspec.bench.suites.cases("covariance", ...)``; parametrization and body: ``conftest.py``.
 """
 import pytest
 

@@ -1,7 +1,7 @@
 """fastspec.eigvalsh vs torch.linalg.eigvalsh and the external batched solvers (cuSOLVER, JAX,
 CuPy, where available) on batches of Gram matrices.
 
-Cases: ``fastspec.bench.cases("eigvalsh", ...)``; parametrization and body: ``conftest.py``.
+Cases: ``fastspec.bench.suites.cases("eigvalsh", ...)``; parametrization and body: ``conftest.py``.
 """
 import pytest
 

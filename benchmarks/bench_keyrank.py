@@ -1,7 +1,7 @@
 """The key-rank protocol (docs/protocols.md) end to end: fastspec.Probe.measure vs hooks +
 svdvals per head.
 
-Cases: ``fastspec.bench.cases("keyrank", ...)``; parametrization and body: ``conftest.py``.
+Cases: ``fastspec.bench.suites.cases("keyrank", ...)``; parametrization and body: ``conftest.py``.
 """
 import pytest
 

@@ -1,7 +1,7 @@
 """Probe overhead near the floor: Probe.measure and keys-only streaming vs the work they ride on,
 the key-rank computation vs svdvals.
 
-Cases: ``fastspec.bench.cases("probe", ...)``; parametrization and body: ``conftest.py``.
+Cases: ``fastspec.bench.suites.cases("probe", ...)``; parametrization and body: ``conftest.py``.
 """
 import pytest
 

@@ -1,7 +1,7 @@
 """Llama-style training step with and without a streaming fastspec.Probe (keys + FFN), eager
 and through ``torch.compile(fullgraph=True)``.
 
-Cases: ``fastspec.bench.cases("train_step", ...)`` and ``cases("train_step_compiled", ...)``;
+Cases: ``fastspec.bench.suites.cases("train_step", ...)`` and ``cases("train_step_compiled", ...)``;
 parametrization and body: ``conftest.py``.
 """
 import pytest

@@ -63,9 +63,9 @@ COMMAND_LIMIT = 480   # worst case of one command: 8 of the 10 minutes a device 
 PLAN_LIMIT = 1500     # worst case of the three: 25 of the 30 minutes of device time
 HEADLINE_BY = 300     # command 1's headline steps end within its first 5 minutes, worst case
 ARCH_DRY = "90"       # the arch the kit targets: the CUDA build is checked even without a GPU
-COPIED = ("fastspec", "tests", "benchmarks", "setup.py", "pyproject.toml", "README.md")
-NATIVE = ("fastspec/eig/csrc", "setup.py")  # what the extension is built from: its stamp hashes these
-KERNEL_SIZES = ("64", "128", "256")  # the eigvalsh suite's n (fastspec.bench.cases_eigvalsh.SIZES["gpu"])
+COPIED = ("fastspec", "tests", "benchmarks", "conftest.py", "setup.py", "pyproject.toml", "README.md")
+NATIVE = ("fastspec/eig/csrc", "fastspec/eig/limits.py", "setup.py")  # what the extension is built from
+KERNEL_SIZES = ("64", "128", "256")  # the eigvalsh suite's n (fastspec.bench.suites.eigvalsh.SIZES["gpu"])
 
 
 HEAD = ("--filter", "headline")   # the cases tagged headline (fastspec.bench.case.HEADLINE)
@@ -207,7 +207,7 @@ class Run:
         if step.kind == "build":
             return [py, "setup.py", "-q", "build_ext", "--inplace"]
         if step.kind == "kernels":
-            return [py, "-m", "fastspec.eig.precompile", "--arch", ARCH_DRY if self.dry else _local_arch(),
+            return [py, "-m", "fastspec", "precompile", "--arch", ARCH_DRY if self.dry else _local_arch(),
                     "--n", *KERNEL_SIZES, "--dtype", "float32", "float64"]
         if step.kind == "env":
             return [py, "benchmarks/gpu_tools.py", "env"]
@@ -218,7 +218,7 @@ class Run:
             return [py, "-m", "fastspec", "compare", *size, "--json", str(self.out / "compare.json"),
                     "--time-limit", cap]
         if step.kind == "tests":
-            return [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rfE",
+            return [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rfE", "--full",
                     "-m", "gpu or triton", "tests"]
         if step.kind in ("ncu", "sanitize"):
             return [py, "benchmarks/gpu_tools.py", step.kind, "--time-limit", cap, *dry]
@@ -274,8 +274,8 @@ class Run:
         if keep.exists():
             shutil.rmtree(keep)
         keep.mkdir(parents=True)
-        old = self.src / "fastspec"
-        for so in old.glob("_eig_ext*") if old.exists() else ():
+        old = self.src / "fastspec" / "eig"
+        for so in old.glob("_host.*") if old.exists() else ():
             shutil.move(str(so), keep / so.name)
         if self.src.exists():
             shutil.rmtree(self.src)
@@ -291,16 +291,16 @@ class Run:
         kept = list(keep.iterdir())
         if kept and stamp_file.exists() and stamp_file.read_text() == stamp:
             for so in kept:
-                shutil.move(str(so), self.src / "fastspec" / so.name)
+                shutil.move(str(so), self.src / "fastspec" / "eig" / so.name)
             self.say(f"step build: reused the extension built earlier in {self.work} (stamp {stamp[:12]})")
             return
         self.say(f"sources copied to {self.src}; building the host-twin extension")
         stamp_file.unlink(missing_ok=True)
         status = self.run(step)
-        check = subprocess.run([sys.executable, "-c", "import fastspec._eig_ext, fastspec; print(fastspec.__file__)"],
+        check = subprocess.run([sys.executable, "-c", "import fastspec.eig._host, fastspec; print(fastspec.__file__)"],
                                cwd=self.src, env=self.env, capture_output=True, text=True, check=False)
         if check.returncode != 0:
-            self.say("build: fastspec._eig_ext not importable (is pybind11 installed?); the solver "
+            self.say("build: fastspec.eig._host not importable (is pybind11 installed?); the solver "
                      "benchmarks fall back to torch")
             self.failed.append("build-extension")
         elif not check.stdout.strip().startswith(str(self.src)):

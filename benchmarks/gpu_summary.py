@@ -9,8 +9,9 @@
   removed once merged (only a few files come back from a GPU machine); a ``bench.json`` already
   there (another command's, copied in) is merged too, a case measured again replacing its rows.
 * Prints one line per result row (times, speedup, throughput or share of the copy's bandwidth,
-  errors, or why it was skipped), the accuracy summary of ``compare.json``, the tools' verdicts
-  from ``tools.txt`` and pytest's closing line from ``tests.txt``.
+  errors and a broken accuracy claim, or why it was skipped), the accuracy summary of
+  ``compare.json``, the tools' verdicts from ``tools.txt`` and pytest's closing line from
+  ``tests.txt``.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import re
 import sys
 from pathlib import Path
 
-from fastspec.bench.cases import SUITES as SUITE_ORDER
+from fastspec.bench.suites import SUITES as SUITE_ORDER
 from fastspec.bench.table import fmt_time, overhead_text
 
 PYTEST_CLOSING = re.compile(r"^=*\s*(\d+ (passed|failed|skipped|deselected|errors?)\b|no tests ran)")
@@ -102,6 +103,8 @@ def row_line(r: dict) -> str:
                  f"breaks {r['graph_breaks']:g}")
     if "error" in r:
         line += f"  ERROR: {r['error']}"
+    if r.get("claim_held") is False:  # fastspec bench exited 1 for it: the step shows FAILED
+        line += f"  CLAIM FAILED: {r['claim_violation']}"
     return line
 
 

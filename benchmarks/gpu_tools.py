@@ -47,13 +47,13 @@ def eig(device, dry: bool, small: bool) -> None:
     import torch
 
     import fastspec
-    from fastspec.bench.cases_eigvalsh import powerlaw_gram
+    from fastspec.bench.suites.eigvalsh import powerlaw_gram
 
     batch, n = (8, 32) if dry else (2, 64) if small else (4096, 128)
     A = powerlaw_gram(batch, n, device)
     backend = "host" if dry else "cuda"
     for _ in range(1 if small else 3):
-        w = fastspec.eigvalsh(A, backend=backend)
+        w = fastspec.eigvalsh(A, solver=backend)
     if device.type == "cuda":
         torch.cuda.synchronize()
     assert w.shape == (batch, n) and bool(torch.isfinite(w).all()), "eigvalsh returned non-finite values"

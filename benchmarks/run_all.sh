@@ -16,5 +16,6 @@ python -m fastspec compare --json "benchmarks/results/${name}-${day}-compare.jso
 mkdir -p benchmarks/results/pytest
 python -m pytest benchmarks -q --benchmark-enable \
   --benchmark-json "benchmarks/results/pytest/${name}-${day}.json" || status=1
-python -m fastspec.bench.table || status=1   # README.md's table from benchmarks/results/*.json
+# README.md's table from benchmarks/results/*.json (-m: the checkout's fastspec, installed or not)
+python -m benchmarks.readme_table || status=1
 exit "$status"

@@ -1,6 +1,7 @@
-"""``fastspec`` command line: one sub-command per capability, each in its own module.
+"""``fastspec`` command line: the dispatcher of the sub-commands in :mod:`fastspec.commands`.
 
-A sub-command module exposes ``add_arguments(parser)`` and ``run(args) -> int``. ``COMMANDS``
+Each sub-command is one thin module there, exposing ``add_arguments(parser)`` and ``run(args) ->
+int``; the work it asks for stays in the library's capability packages. ``COMMANDS``
 holds each command's one-line help, so ``fastspec --help`` lists them all without importing any
 of those modules, and ``fastspec CMD ...`` imports CMD's module alone: start-up stays cheap and
 optional dependencies stay optional. ``import fastspec`` itself imports no torch (its names
@@ -20,13 +21,14 @@ import os
 import sys
 from collections.abc import Iterable, Sequence
 
-# name -> (module, one-line help)
+# name -> (module, one-line help); every command's module is in fastspec/commands/
 COMMANDS: dict[str, tuple[str, str]] = {
-    "info": ("fastspec.cli_info", "show versions and which backends are available"),
-    "bench": ("fastspec.bench.cli", "time fastspec against torch.linalg baselines (a table per suite, --json)"),
-    "compare": ("fastspec.bench.cli_compare", "accuracy only: fastspec vs torch.linalg fp32 vs fp64"),
-    "demo": ("fastspec.demo.cli", "train three tiny models (QK-norm key-rank study) and write a run folder"),
-    "report": ("fastspec.report", "regenerate plots and report.md of a run folder"),
+    "info": ("fastspec.commands.info", "show versions and which eigvalsh solvers are available"),
+    "bench": ("fastspec.commands.bench", "time fastspec against torch.linalg baselines (a table per suite, --json)"),
+    "compare": ("fastspec.commands.compare", "accuracy only: fastspec vs torch.linalg fp32 vs fp64"),
+    "demo": ("fastspec.commands.demo", "train three tiny models (QK-norm key-rank study) and write a run folder"),
+    "report": ("fastspec.commands.report", "regenerate plots and report.md of a run folder"),
+    "precompile": ("fastspec.commands.precompile", "compile the CUDA eigensolver ahead of time into the kernel cache"),
 }
 
 _HELP_FLAGS = ("-h", "--help")

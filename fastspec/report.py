@@ -1,4 +1,5 @@
-"""Run folders and their Markdown report; also the ``fastspec report RUN_DIR`` command.
+"""Run folders and their Markdown report (the ``fastspec report RUN_DIR`` command is
+:mod:`fastspec.commands.report`).
 
 A run folder (written by ``fastspec demo``, readable by anything that writes the same files):
 
@@ -13,17 +14,15 @@ a torn last line is skipped when reading.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 __all__ = ["load_records", "load_spectra", "load_config", "Findings", "findings", "run_findings",
-           "write_report", "add_arguments", "run"]
+           "write_report"]
 
 
 def load_records(run_dir):
@@ -480,17 +479,3 @@ def write_report(run_dir) -> Path:
     out = run_dir / "report.md"
     out.write_text("\n".join(lines))
     return out
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir", help="a run folder with records.jsonl (e.g. from `fastspec demo`)")
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        path = write_report(args.run_dir)
-    except FileNotFoundError as e:  # a user error: one line, no traceback
-        print(f"fastspec report: {e}", file=sys.stderr)
-        return 2
-    print(f"report: {path}")
-    return 0

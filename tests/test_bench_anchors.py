@@ -22,8 +22,9 @@ import numpy as np
 import pytest
 import torch
 
-from fastspec.bench import anchors, cases_eigvalsh
-from fastspec.bench.cases import cases
+from fastspec.bench import anchors
+from fastspec.bench.suites import cases
+from fastspec.bench.suites import eigvalsh as eigvalsh_suite
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")
@@ -467,7 +468,7 @@ def test_a_broken_install_says_why_it_cannot_be_imported():
 
 
 def test_importing_anchors_imports_no_optional_dependency():
-    code = ("import sys, fastspec.bench.anchors, fastspec.bench.cases_eigvalsh; "
+    code = ("import sys, fastspec.bench.anchors, fastspec.bench.suites.eigvalsh; "
             "print([m for m in ('jax', 'cupy') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -478,11 +479,11 @@ def test_importing_anchors_imports_no_optional_dependency():
 # --------------------------------------------------------------------------------------------
 
 def test_slice_and_reference_sizes():
-    assert cases_eigvalsh.torch_slice(16384, 128, CUDA) == cases_eigvalsh.TORCH_SLICE == 256
-    assert cases_eigvalsh.torch_slice(100, 128, CUDA) == 100
-    assert cases_eigvalsh.torch_slice(16384, 32, CUDA) == 16384  # torch is batched (syevjBatched) there
-    assert cases_eigvalsh.torch_slice(16384, 128, CPU) == 16384
-    assert cases_eigvalsh.ref_count(16384) == 512 and cases_eigvalsh.ref_count(64) == 64
+    assert eigvalsh_suite.torch_slice(16384, 128, CUDA) == eigvalsh_suite.TORCH_SLICE == 256
+    assert eigvalsh_suite.torch_slice(100, 128, CUDA) == 100
+    assert eigvalsh_suite.torch_slice(16384, 32, CUDA) == 16384  # torch is batched (syevjBatched) there
+    assert eigvalsh_suite.torch_slice(16384, 128, CPU) == 16384
+    assert eigvalsh_suite.ref_count(16384) == 512 and eigvalsh_suite.ref_count(64) == 64
 
 
 def _solver_cases(tier, device):
@@ -526,7 +527,7 @@ def test_cpu_cases_time_the_whole_batch_and_leave_cuda_only_anchors_out():
 def _fake_anchor_cases(monkeypatch, tier="quick"):
     """Quick CPU cases with the ctypes cuSOLVER wrapper (on the stand-in library) as an anchor."""
     fake_solver, fake = solver()
-    monkeypatch.setattr(cases_eigvalsh, "make_anchors", lambda device: {
+    monkeypatch.setattr(eigvalsh_suite, "make_anchors", lambda device: {
         "cusolverDnXsyevBatched": fake_solver, "jax.numpy.linalg.eigvalsh": "jax not installed",
         "cupy.linalg.eigvalsh": "needs a CUDA device"})
     return _solver_cases(tier, CPU), fake
@@ -555,8 +556,8 @@ def test_quick_cases_run_on_cpu_with_small_errors_for_every_baseline(monkeypatch
 def test_sliced_torch_baseline_is_timed_on_the_slice_and_checked_on_the_reference(monkeypatch):
     from fastspec.bench.runner import run_case
 
-    monkeypatch.setattr(cases_eigvalsh, "torch_slice", lambda batch, n, device: min(batch, 5))
-    monkeypatch.setattr(cases_eigvalsh, "REF_MATRICES", 12)
+    monkeypatch.setattr(eigvalsh_suite, "torch_slice", lambda batch, n, device: min(batch, 5))
+    monkeypatch.setattr(eigvalsh_suite, "REF_MATRICES", 12)
     built, fake = _fake_anchor_cases(monkeypatch)
     case = next(c for c in built if c.size == "B16-n32-fp32" and c.variant == "auto")
     assert case.baseline_scale == {"torch.linalg.eigvalsh": 16 / 5}

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fastspec.bench.case import max_rel_err
-from fastspec.bench.cases import SUITES, cases
+from fastspec.bench.suites import SUITES, cases
 from fastspec.bench.timing import measure, measure_interleaved
 
 CPU = torch.device("cpu")
@@ -118,8 +118,8 @@ def test_covariance_cases_time_the_kernel_the_update_and_a_copy_of_the_same_byte
     each accurate against fp64."""
     import math
 
-    from fastspec.bench.cases_covariance import COPY, KERNEL
     from fastspec.bench.runner import run_cases
+    from fastspec.bench.suites.covariance import COPY, KERNEL
 
     selected = cases("covariance", "quick", CPU)
     assert {c.variant for c in selected} == {"auto", "triton", KERNEL}
@@ -137,3 +137,125 @@ def test_covariance_cases_time_the_kernel_the_update_and_a_copy_of_the_same_byte
         if r["baseline"] != COPY:
             assert "pct_of_copy_bandwidth" not in r
             assert r["fastspec_error"] <= 4 * r["baseline_error"] + 8 * 2.0**-24, r
+
+
+# ------------------------------------------------------------------------ the accuracy claims
+def test_a_relative_claim_holds_up_to_its_bound_and_says_how_it_broke():
+    from fastspec.bench.case import EPS32, no_worse_than
+
+    claim = no_worse_than()
+    bound = 2 * 1e-7 + 8 * EPS32
+    assert claim.violated({"fastspec_error": bound, "baseline_error": 1e-7}) is None
+    assert claim.violated({"fastspec_error": 0.0, "baseline_error": 0.0}) is None  # the floor
+    broke = claim.violated({"fastspec_error": bound * 1.01, "baseline_error": 1e-7})
+    assert broke == (f"fastspec error {bound * 1.01:.3g} > {bound:.3g} "
+                     "(claim: ≤ 2 × baseline_error + 8·eps_fp32, baseline_error 1e-07)")
+    other = no_worse_than("svdvals_fp32_pr_rel_err")  # relative to another field of the check
+    assert other.violated({"fastspec_error": 3e-7, "baseline_error": 0.0, "svdvals_fp32_pr_rel_err": 1e-7}) is None
+    assert "svdvals_fp32_pr_rel_err is None" in other.violated({"fastspec_error": 0.0, "baseline_error": 0.0})
+
+
+@pytest.mark.parametrize("errors, expected", [
+    ({"fastspec_error": float("nan"), "baseline_error": 1.0}, "fastspec error is nan"),
+    ({"fastspec_error": None, "baseline_error": 1.0}, "fastspec error is None"),
+    ({"fastspec_error": 0.0, "baseline_error": float("inf")}, "baseline_error is inf"),
+])
+def test_no_error_and_no_reference_break_the_claim(errors, expected):
+    from fastspec.bench.case import no_worse_than
+
+    assert no_worse_than().violated(errors).startswith(expected)
+
+
+def test_absolute_and_exact_claims():
+    from fastspec.bench.case import at_most, exactly_zero
+
+    assert at_most(1e-4).violated({"fastspec_error": 1e-4}) is None
+    assert at_most(1e-4).violated({"fastspec_error": 2e-4}) == "fastspec error 0.0002 > 0.0001 (claim: ≤ 0.0001)"
+    claim = exactly_zero("graph_breaks", "recompiles")
+    assert claim.text == "= 0, graph_breaks = 0, recompiles = 0"
+    assert claim.violated({"fastspec_error": 0.0, "graph_breaks": 0, "recompiles": 0}) is None
+    assert claim.violated({"fastspec_error": 1e-9, "graph_breaks": 0, "recompiles": 0}).startswith("fastspec error 1e-09 > 0")
+    assert claim.violated({"fastspec_error": 0.0, "graph_breaks": 0, "recompiles": 2}) == (
+        "recompiles is 2 (claim: = 0, graph_breaks = 0, recompiles = 0)")
+
+
+def test_compare_holds_its_rows_to_the_claim_of_the_eigvalsh_cases():
+    from fastspec.bench.accuracy import CLAIM, within_bound
+    from fastspec.bench.case import EPS32
+
+    assert (CLAIM.factor, CLAIM.floor) == (2.0, 8 * EPS32)
+    assert within_bound(2e-7 + 8 * EPS32, 1e-7) and not within_bound(2e-7 + 9 * EPS32, 1e-7)
+    assert not within_bound(float("nan"), 1e-7) and not within_bound(0.0, float("nan"))
+
+
+def test_each_suite_sets_the_claim_it_makes_where_it_builds_its_cases():
+    """The rules benchmarks/README.md states, case by case (benchmarks/conftest.py and
+    ``fastspec bench`` only apply them)."""
+    from fastspec.bench.case import EPS32, EPS64
+    from fastspec.bench.suites.probe import FAST_PR_BOUND, PR_TARGET
+
+    claims = {(c.suite, c.size, c.variant): c.claim for s in SUITES for c in cases(s, "quick", CPU)}
+    for (suite, size, variant), claim in claims.items():
+        if suite == "eigvalsh" and size.startswith("compile-"):  # the cached image is the compiled code
+            expected = (0.0, 0.0, None, ())
+        elif suite == "eigvalsh" and size.endswith("-fp64"):  # n·eps64: vs LAPACK fp64, torch's error is 0
+            n = int(size.split("-n")[1].split("-")[0])
+            expected = (2.0, n * EPS64, "baseline_error", ())
+        elif suite in ("eigvalsh", "covariance", "keyrank"):
+            expected = (2.0, 8 * EPS32, "baseline_error", ())
+        elif suite == "train_step" or size.startswith("train_step-"):
+            expected = (0.0, 0.0, None, ())
+        elif suite == "train_step_compiled":
+            expected = (0.0, 0.0, None, ("graph_breaks", "recompiles"))
+        elif size.startswith("measure-"):
+            expected = (2.0, 8 * EPS32, "svdvals_fp32_pr_rel_err", ())
+        else:  # the probe's rank cases: parity with fp64 svdvals
+            expected = (0.0, FAST_PR_BOUND if variant.endswith("-fast") else PR_TARGET, None, ())
+        assert (claim.factor, claim.floor, claim.relative_to, claim.zero) == expected, (suite, size, variant)
+
+
+class _Benchmark:
+    """What ``benchmarks/conftest.py`` uses of pytest-benchmark's fixture: runs the call once."""
+
+    def __init__(self):
+        self.group, self.extra_info, self.calls = None, {}, 0
+
+    def pedantic(self, fn, rounds, warmup_rounds, iterations):
+        fn()
+        self.calls += 1
+
+
+def _bench_conftest():
+    """``benchmarks/conftest.py`` as a module of its own (not the plugin pytest loaded)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "conftest.py"
+    spec = importlib.util.spec_from_file_location("fastspec_benchmarks_conftest", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pytest_benchmarks_fail_a_case_that_breaks_its_claim():
+    """The benchmark body asserts the same :meth:`Claim.violated` that ``fastspec bench`` reports."""
+    from fastspec.bench.case import Case, no_worse_than
+
+    def case(size: str, err: float) -> Case:
+        return Case(suite="eigvalsh", size=size, variant="auto", setup=dict, fastspec=lambda inp: None,
+                    baselines={"torch.linalg.eigvalsh": lambda inp: None},
+                    check=lambda inp: {"fastspec_error": err, "baseline_error": 1e-7},
+                    error_kind="max rel err vs fp64", claim=no_worse_than())
+
+    conftest = _bench_conftest()
+    held, broken = case("B1-n4-fp32", 1e-7), case("B2-n4-fp32", 1e-3)
+    bench = _Benchmark()
+    conftest._run_benchmark(bench, held, "fastspec")
+    assert bench.calls == 1 and bench.extra_info["claim"] == "≤ 2 × baseline_error + 8·eps_fp32"
+    bench = _Benchmark()
+    with pytest.raises(AssertionError, match=r"^B2-n4-fp32-auto: fastspec error 0\.001 > 1\.15e-06 \(claim: "):
+        conftest._run_benchmark(bench, broken, "fastspec")
+    assert bench.calls == 0  # nothing timed
+    conftest._run_benchmark(bench, broken, "torch.linalg.eigvalsh")  # the baseline's side claims nothing
+    assert bench.calls == 1
+    conftest._close_last()

@@ -1,5 +1,6 @@
 """``fastspec bench --quick`` and ``fastspec compare --quick`` run, print narrow tables and a
-verdict, and write well-formed JSON; bad flags are one-line errors before anything is written."""
+verdict, and write well-formed JSON; a case that breaks its accuracy claim is marked and fails
+the run; bad flags are one-line errors before anything is written."""
 from __future__ import annotations
 
 import contextlib
@@ -11,10 +12,11 @@ from pathlib import Path
 import pytest
 
 from fastspec.bench.accuracy import SIZES
-from fastspec.bench.cases import SUITES
+from fastspec.bench.case import Case, no_worse_than
+from fastspec.bench.suites import SUITES
 from fastspec.bench.table import noise_pct
 from fastspec.cli import main
-from fastspec.eig.cases import FAMILIES
+from fastspec.eig.matrices import FAMILIES
 
 ENV_KEYS = {"fastspec", "python", "torch", "cuda", "device", "driver", "cpu", "triton"}
 
@@ -43,17 +45,18 @@ def bench_doc(tmp_path_factory):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         rc = main(["bench", "--quick", "--repeats", "2", "--warmup", "1", "--json", str(path)])
-    # the README's table is regenerated on request only (python -m fastspec.bench.table)
+    # the README's table is regenerated on request only (benchmarks/readme_table.py)
     assert README.read_bytes() == readme, "fastspec bench rewrote README.md"
     return rc, _strict_json(path), out.getvalue()
 
 
+@pytest.mark.slow
 def test_bench_quick_json_is_well_formed(bench_doc):
     rc, doc, _ = bench_doc
     _check_header(doc, "bench")
     rows = doc["results"]
     assert {r["suite"] for r in rows} == set(SUITES)
-    assert rc == (1 if any("error" in r for r in rows) else 0)
+    assert rc == (1 if any("error" in r or r.get("claim_held") is False for r in rows) else 0)
     measured = [r for r in rows if "fastspec_s" in r]
     assert measured, "no case ran"
     for r in rows:
@@ -66,6 +69,7 @@ def test_bench_quick_json_is_well_formed(bench_doc):
         assert r["baseline_min_s"] <= r["baseline_s"] <= r["baseline_max_s"]
         assert math.isclose(r["speedup"], r["baseline_s"] / r["fastspec_s"], rel_tol=1e-12)
         assert r["fastspec_error"] is None or r["fastspec_error"] >= 0
+        assert r["claim"] and r["claim_held"] == ("claim_violation" not in r)
         if "rate_unit" in r:
             assert r["fastspec_rate"] > 0 and r["baseline_rate"] > 0
         if r["suite"].startswith("train_step") or "overhead_pct" in r:  # probe suite: measure, train_step
@@ -74,12 +78,16 @@ def test_bench_quick_json_is_well_formed(bench_doc):
             assert (r["recompiles"], r["graph_breaks"], r["fastspec_error"]) == (0, 0, 0)
 
 
+@pytest.mark.slow
 def test_bench_quick_has_no_errors(bench_doc):
-    """Every case that can run here runs: a raised case shows up as an error row."""
-    _, doc, _ = bench_doc
-    assert [r for r in doc["results"] if "error" in r] == []
+    """Every case that can run here runs and holds its accuracy claim (as ``pytest benchmarks``
+    asserts): a raised case shows up as an error row, a broken claim as ``claim_held: false``."""
+    rc, doc, out = bench_doc
+    assert [r for r in doc["results"] if "error" in r or r.get("claim_held") is False] == []
+    assert rc == 0 and "FAIL" not in out
 
 
+@pytest.mark.slow
 def test_bench_rates_follow_their_definition(bench_doc):
     _, doc, _ = bench_doc
     for r in doc["results"]:
@@ -92,6 +100,7 @@ def test_bench_rates_follow_their_definition(bench_doc):
             assert math.isclose(r["fastspec_rate"], nbytes / r["fastspec_s"] / 1e9)
 
 
+@pytest.mark.slow
 def test_bench_quick_prints_narrow_tables_of_every_row(bench_doc):
     _, doc, out = bench_doc
     header, sep, body = out.partition("\n# python")
@@ -125,11 +134,12 @@ def test_bench_wide_prints_every_field_in_one_table(monkeypatch, capsys):
 
 def test_cli_constants_match_the_registry():
     """The flags' choices are constants (``--help`` imports no torch); they must follow the registry."""
-    from fastspec.bench import case, cases, cli_common, cli_compare
-    from fastspec.bench.accuracy import FLOOR_EPS
+    from fastspec.bench import case, suites
+    from fastspec.bench.case import FLOOR_EPS
+    from fastspec.commands import _bench_common, compare
 
-    assert cli_common.TIERS == case.TIERS and cli_common.SUITES == cases.SUITES == SUITES
-    assert f"2 × torch.linalg.eigvalsh fp32's + {FLOOR_EPS}·eps_fp32" in cli_compare.BOUND
+    assert _bench_common.TIERS == case.TIERS and _bench_common.SUITES == suites.SUITES == SUITES
+    assert f"2 × torch.linalg.eigvalsh fp32's + {FLOOR_EPS}·eps_fp32" in compare.BOUND
 
 
 def test_compare_quick_json_is_well_formed(tmp_path, capsys):
@@ -172,6 +182,66 @@ def test_compare_fails_with_a_pass_fail_line_and_exit_1(monkeypatch, capsys):
     assert out[-1].startswith("FAIL: 1 of 3 cases exceed 2× torch.linalg fp32's error vs fp64")
 
 
+# ------------------------------------------------------------------ a broken accuracy claim
+def _case(size: str, err: float) -> Case:
+    """A case that runs in microseconds, two baselines, whose fastspec error is ``err``; its
+    claim: at most 2 × the baseline's 1e-7 + 8·eps_fp32 (1.15e-6)."""
+    return Case(suite="eigvalsh", size=size, variant="auto", setup=dict, fastspec=lambda inp: None,
+                baselines={"torch.linalg.eigvalsh": lambda inp: None, "another": lambda inp: None},
+                check=lambda inp: {"fastspec_error": err, "baseline_error": 1e-7},
+                error_kind="max rel err vs fp64", claim=no_worse_than())
+
+
+@pytest.fixture
+def one_broken_claim(monkeypatch):
+    """``fastspec bench`` runs two cases: B1 holds its claim, B2 breaks it (error 1e-3)."""
+    from fastspec.bench import suites
+
+    monkeypatch.setattr(suites, "cases", lambda suite, tier, device=None: [_case("B1-n4-fp32", 1e-7),
+                                                                            _case("B2-n4-fp32", 1e-3)])
+
+
+def test_bench_marks_a_broken_claim_in_table_json_and_exit_status(one_broken_claim, tmp_path, capsys):
+    path = tmp_path / "r.json"
+    assert main(["bench", "--quick", "--suite", "eigvalsh", "--warmup", "0", "--repeats", "1",
+                 "--json", str(path)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    rows = _strict_json(path)["results"]
+    held = [r for r in rows if r["size"] == "B1-n4-fp32"]
+    broken = [r for r in rows if r["size"] == "B2-n4-fp32"]
+    assert len(held) == len(broken) == 2  # one row per baseline, each says it
+    assert all(r["claim_held"] and "claim_violation" not in r for r in held)
+    assert all(r["claim"] == "≤ 2 × baseline_error + 8·eps_fp32" for r in rows)
+    for r in broken:
+        assert r["claim_held"] is False and "error" not in r
+        assert r["claim_violation"] == ("fastspec error 0.001 > 1.15e-06 "
+                                        "(claim: ≤ 2 × baseline_error + 8·eps_fp32, baseline_error 1e-07)")
+    table = [line for line in out if line.split()[:2] in (["B1-n4-fp32", "auto"], ["B2-n4-fp32", "auto"])]
+    assert len(table) == 4 and all(line.endswith("FAIL") == ("B2" in line) for line in table), table
+    notes = [line for line in out if line.startswith("  FAIL ")]  # the note, once (not per baseline)
+    assert len(notes) == 1 and notes[0].startswith("  FAIL     B2-n4-fp32 auto — fastspec error 0.001 > ")
+    assert f"FAIL B2-n4-fp32 auto — {broken[0]['claim_violation']}" in " ".join(" ".join(out).split())
+    assert out[-1] == "FAIL: 1 case breaks its accuracy claim (the FAIL notes say how): eigvalsh B2-n4-fp32 auto"
+
+
+def test_bench_wide_says_which_claim_broke(one_broken_claim, capsys):
+    assert main(["bench", "--quick", "--suite", "eigvalsh", "--warmup", "0", "--repeats", "1", "--wide"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in lines if " FAIL: fastspec error 0.001 > 1.15e-06" in line] == ["B2-n4-fp32"] * 2
+
+
+@pytest.mark.parametrize("err", [float("nan"), float("inf")])
+def test_a_non_finite_error_breaks_the_claim(err, monkeypatch, tmp_path):
+    from fastspec.bench import suites
+
+    monkeypatch.setattr(suites, "cases", lambda suite, tier, device=None: [_case("B1-n4-fp32", err)])
+    path = tmp_path / "r.json"
+    assert main(["bench", "--quick", "--suite", "eigvalsh", "--repeats", "1", "--json", str(path)]) == 1
+    for r in _strict_json(path)["results"]:  # JSON has no NaN: the error is null, the claim says why
+        assert r["fastspec_error"] is None and r["claim_held"] is False
+        assert r["claim_violation"].startswith(f"fastspec error is {err}")
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["bench", "--quick", "--tier", "gpu"], "--quick"),
     (["bench", "--quick", "--threads", "0"], "--threads"),
@@ -182,8 +252,6 @@ def test_compare_fails_with_a_pass_fail_line_and_exit_1(monkeypatch, capsys):
     (["bench", "--quick", "--time-limit", "0"], "--time-limit"),
     (["bench", "--quick", "--suite", "eigvalsh", "--filter", "no-such-case"], "--filter"),
     (["bench", "--accuracy", "--suite", "probe"], "--suite"),
-    (["bench", "--table", "--quick"], "--quick"),
-    (["bench", "--readme", "README.md"], "--readme"),
     (["compare", "--device", "cuda:0"], "--device"),
     (["compare", "--quick", "--family", "no-such-family"], "--family"),
     (["compare", "--quick", "--tier", "cpu"], "--quick"),
@@ -195,7 +263,7 @@ def test_bad_flags_are_one_line_errors_before_anything_is_written(argv, flag, tm
     if "cuda:0" in argv and torch.cuda.is_available():
         pytest.skip("cuda is available here")
     out = tmp_path / "out.json"
-    assert main(argv + (["--json", str(out)] if "--table" not in argv else [])) == 2
+    assert main(argv + ["--json", str(out)]) == 2
     std = capsys.readouterr()
     assert std.err.startswith(f"fastspec {argv[0]}: error: {flag}") and std.err.count("\n") == 1, std.err
     assert "Traceback" not in std.err and std.out == "" and not out.exists()

@@ -9,10 +9,11 @@ import weakref
 import pytest
 import torch
 
-from fastspec.bench import cases_models, models
-from fastspec.bench.cases import cases
+from fastspec.bench import models
 from fastspec.bench.models import OutOfMemory, fit_layers
 from fastspec.bench.runner import run_cases
+from fastspec.bench.suites import cases
+from fastspec.bench.suites import train_step as train_step_suite
 
 CPU = torch.device("cpu")
 
@@ -212,6 +213,7 @@ def test_shared_twin_shares_the_weights_but_not_the_hooks():
     assert seen == [1]  # the model's hook ran once, for the model only
 
 
+@pytest.mark.slow
 def test_quick_compiled_train_step_runs_end_to_end_with_the_compile_fields():
     """Both sides compiled (aot_eager on CPU) in the untimed warm-up: one graph each, no
     recompile, no graph break, and the probe does not change the compiled loss."""
@@ -262,7 +264,7 @@ def _fake_oom_above(monkeypatch, limit: int, requested: int, floor: int) -> Buil
 def test_a_reduced_case_runs_fewer_layers_and_says_so_in_its_rows(monkeypatch):
     pytest.importorskip("transformers")
     built = _fake_oom_above(monkeypatch, limit=2, requested=4, floor=2)
-    case = cases_models.train_step_cases("quick", CPU)[0]
+    case = train_step_suite.train_step_cases("quick", CPU)[0]
     rows = run_cases([case], CPU, warmup=0, repeats=1)
     assert built == [2]
     assert [r for r in rows if "error" in r] == []
@@ -284,7 +286,7 @@ def test_a_reduced_case_runs_fewer_layers_and_says_so_in_its_rows(monkeypatch):
 def test_a_case_that_cannot_fit_is_an_error_row_naming_why(monkeypatch):
     pytest.importorskip("transformers")
     built = _fake_oom_above(monkeypatch, limit=1, requested=4, floor=2)
-    rows = run_cases(cases_models.train_step_cases("quick", CPU)[:1], CPU, warmup=0, repeats=1)
+    rows = run_cases(train_step_suite.train_step_cases("quick", CPU)[:1], CPU, warmup=0, repeats=1)
     assert built == []
     (row,) = rows
     assert row["error"].startswith("RuntimeError: fit_layers: no depth from 4 down to 2 layers fits: "

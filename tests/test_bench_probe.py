@@ -8,9 +8,10 @@ import sys
 import pytest
 import torch
 
-from fastspec.bench import cases_probe, models
-from fastspec.bench.cases import SUITES, cases
+from fastspec.bench import models
 from fastspec.bench.runner import run_cases
+from fastspec.bench.suites import SUITES, cases
+from fastspec.bench.suites import probe as probe_suite
 
 CPU = torch.device("cpu")
 
@@ -46,7 +47,7 @@ def test_gpu_cases_are_built_without_building_a_model_or_keys(monkeypatch):
         raise AssertionError("built at case construction")
 
     monkeypatch.setattr(models, "build_llama", no_build)
-    monkeypatch.setattr(cases_probe, "synthetic_keys", no_build)
+    monkeypatch.setattr(probe_suite, "synthetic_keys", no_build)
     assert len(cases("probe", "gpu", CPU)) == 4
 
 
@@ -94,16 +95,16 @@ def test_model_cases_skip_cleanly_without_transformers(monkeypatch):
 
 def test_synthetic_keys_are_deterministic_and_rank_deficient_before_rope():
     L, B, H, T, D = 2, 2, 8, 64, 16
-    keys = cases_probe.synthetic_keys(L, B, H, T, D, CPU)
-    again = cases_probe.synthetic_keys(L, B, H, T, D, CPU)
+    keys = probe_suite.synthetic_keys(L, B, H, T, D, CPU)
+    again = probe_suite.synthetic_keys(L, B, H, T, D, CPU)
     assert len(keys) == L and all(k.shape == (B, H, T, D) and k.dtype == torch.float32 for k in keys)
     assert all(torch.equal(a, b) for a, b in zip(keys, again))
-    cos, sin = cases_probe.rope_tables(T, D, CPU)
+    cos, sin = probe_suite.rope_tables(T, D, CPU)
     # undo the rotation (rotate by −θ): the heads' pre-RoPE ranks come back
-    pre = cases_probe.apply_rope(keys[0].double(), cos.double(), -sin.double())
+    pre = probe_suite.apply_rope(keys[0].double(), cos.double(), -sin.double())
     # (rtol: the keys were rotated in fp32, so the round trip leaves ~1e-7 relative noise)
     ranks = [int(torch.linalg.matrix_rank(pre[:, h].reshape(B * T, D), rtol=1e-5)) for h in range(H)]
-    assert ranks == [D] * 4 + list(cases_probe.DEFICIENT_RANKS)
+    assert ranks == [D] * 4 + list(probe_suite.DEFICIENT_RANKS)
     # after RoPE the rank-1 head spreads over more dimensions (the hard case for fp32 Gram sums)
     assert int(torch.linalg.matrix_rank(keys[0][:, 4].double().reshape(B * T, D), rtol=1e-5)) > 1
 
@@ -113,17 +114,17 @@ def test_rope_tables_match_the_llama_rotary_embedding():
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     T, D = 32, 16
-    cos, sin = cases_probe.rope_tables(T, D, CPU)
+    cos, sin = probe_suite.rope_tables(T, D, CPU)
     k = torch.randn(1, 2, T, D, generator=torch.Generator().manual_seed(0))
-    ours = cases_probe.apply_rope(k, cos, sin)
+    ours = probe_suite.apply_rope(k, cos, sin)
     theirs = apply_rotary_pos_emb(k, k, cos[None], sin[None])[1]
     torch.testing.assert_close(ours, theirs)
 
 
 def test_rank_helpers_agree_with_each_other_in_float64():
-    keys = cases_probe.synthetic_keys(1, 1, 4, 64, 8, CPU)
-    hand64 = cases_probe.svdvals_key_rank(keys, torch.float64)
+    keys = probe_suite.synthetic_keys(1, 1, 4, 64, 8, CPU)
+    hand64 = probe_suite.svdvals_key_rank(keys, torch.float64)
     assert hand64.shape == (1, 4) and hand64.dtype == torch.float64
-    got = cases_probe.covariance_key_rank(keys)
+    got = probe_suite.covariance_key_rank(keys)
     assert got.shape == (1, 4)
     torch.testing.assert_close(got.double().cpu(), hand64, rtol=1e-3, atol=0)

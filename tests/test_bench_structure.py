@@ -186,11 +186,28 @@ def test_package_has_no_import_cycle(graph):
 
 
 def test_bench_suites_do_not_import_the_registry_or_each_other(graph):
-    """The registry (``cases``) sits above the suite modules; shared code is in ``case``/``models``."""
-    suites = {m for m in graph if m.startswith("fastspec.bench.cases_")}
-    assert suites >= {"fastspec.bench.cases_eigvalsh", "fastspec.bench.cases_models", "fastspec.bench.cases_probe"}
+    """The registry (``fastspec.bench.suites``) sits above the suite modules; shared code is in
+    ``case``/``models``."""
+    from fastspec.bench.suites import SUITES
+
+    suites = {m for m in graph if m.startswith("fastspec.bench.suites.")}
+    # one module per suite, named after it (train_step_compiled lives with train_step)
+    assert suites == {f"fastspec.bench.suites.{s}" for s in SUITES if s != "train_step_compiled"}
     for m in suites:
-        assert not graph[m] & (suites | {"fastspec.bench.cases"}), (m, sorted(graph[m]))
+        assert not graph[m] & (suites | {"fastspec.bench.suites"}), (m, sorted(graph[m]))
+
+
+def test_commands_are_thin_modules_the_library_does_not_import(graph):
+    """Every sub-command of ``fastspec`` has its module in ``fastspec.commands`` and nothing of
+    the library imports a command (the dependency runs from the command to the library)."""
+    from fastspec.cli import COMMANDS
+
+    assert {m for m, _ in COMMANDS.values()} == {f"fastspec.commands.{name}" for name in COMMANDS}
+    assert {m for m in graph if m.startswith("fastspec.commands.") and not m.startswith("fastspec.commands._")} \
+        == {m for m, _ in COMMANDS.values()}
+    importers = {m: sorted(t for t in ts if t.startswith("fastspec.commands"))
+                 for m, ts in graph.items() if not m.startswith(("fastspec.commands", "fastspec.cli"))}
+    assert {m: ts for m, ts in importers.items() if ts} == {}
 
 
 def test_no_module_of_the_package_imports_pytest():

@@ -1,40 +1,48 @@
 """The README benchmark table is generated from benchmarks/results/*.json and stays in sync; it is
-rewritten only on request, and by default in the repository's README whatever the current directory."""
+rewritten only on request (``benchmarks/readme_table.py``, a developer tool outside the package),
+by default in the repository's README whatever the current directory. Also the terminal tables
+of ``fastspec bench`` and ``fastspec compare`` (:mod:`fastspec.bench.table`)."""
 from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 
 from fastspec.bench.table import (
-    BEGIN,
-    END,
     bench_cells,
     bench_text,
     bound_label,
     compare_cells,
     compare_verdict,
-    load_results,
-    main,
     noise_pct,
     overhead_text,
-    readme_block,
-    repository_readme,
     speedup_text,
-    splice,
     time_ratio_band,
-    update_readme,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+try:
+    from readme_table import (
+        BEGIN,
+        END,
+        load_results,
+        main,
+        readme_block,
+        splice,
+        update_readme,
+    )
+finally:
+    sys.path.remove(str(ROOT / "benchmarks"))
 
 
 def test_readme_table_matches_result_files():
     assert update_readme(ROOT / "README.md", RESULTS, check=True), (
-        "README.md's benchmark table is stale: run `python -m fastspec.bench.table`")
+        "README.md's benchmark table is stale: run `python benchmarks/readme_table.py`")
 
 
 def test_committed_results_name_device_date_and_versions():
@@ -108,7 +116,6 @@ def _stale_results(tmp_path: Path) -> Path:
 
 def test_the_default_readme_is_the_repository_one_whatever_the_cwd(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # no README.md here: the old cwd-relative default failed or hit another file
-    assert repository_readme() == ROOT / "README.md"
     assert main(["--check"]) == 0
     assert f"{ROOT / 'README.md'} benchmark table is up to date" in capsys.readouterr().out
     # stale against other results: --check says so, names the repository README, and writes nothing
@@ -143,38 +150,11 @@ def test_a_readme_without_one_block_is_a_one_line_error(tmp_path, capsys, text):
     assert readme.read_text() == text
 
 
-def test_outside_a_checkout_the_error_says_to_pass_readme(tmp_path, monkeypatch, capsys):
-    import fastspec
-
-    installed = tmp_path / "site-packages" / "fastspec" / "__init__.py"  # no README.md above it
-    monkeypatch.setattr(fastspec, "__file__", str(installed))
-    with pytest.raises(ValueError, match=r"^--readme: no README\.md .* pass --readme PATH$"):
-        repository_readme()
-    assert main(["--check"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "pass --readme PATH" in err
-
-
 def test_a_missing_results_folder_is_refused_not_rendered_as_no_results(tmp_path, capsys):
     readme = tmp_path / "README.md"
     readme.write_text(f"{BEGIN}\nkept\n{END}\n")
     assert main(["--readme", str(readme)]) == 2  # default: tmp_path/benchmarks/results, absent
     assert "--results:" in capsys.readouterr().err and "kept" in readme.read_text()
-
-
-def test_fastspec_bench_rewrites_the_readme_only_with_table(tmp_path, capsys):
-    from fastspec.cli import main as fastspec_main
-
-    checkout = tmp_path / "checkout"
-    shutil.copytree(RESULTS, checkout / "benchmarks" / "results")
-    readme = checkout / "README.md"
-    readme.write_text(f"{BEGIN}\nold\n{END}\n")
-    assert fastspec_main(["bench", "--readme", str(readme)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("fastspec bench: error: --readme: goes with --table") and err.count("\n") == 1
-    assert readme.read_text() == f"{BEGIN}\nold\n{END}\n"
-    assert fastspec_main(["bench", "--table", "--readme", str(readme)]) == 0
-    assert "old" not in readme.read_text() and "rewritten" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------------- noise: the repeats' spread
@@ -270,7 +250,7 @@ def _acc(err: float, torch_err: float, family: str = "wishart") -> dict:
 
 
 def test_compare_labels_come_from_the_exact_errors_not_the_rounded_ratio():
-    from fastspec.bench.accuracy import EPS32
+    from fastspec.bench.case import EPS32
 
     assert bound_label(_acc(2e-7, 1e-7)) == "≤ 2×"
     floor = _acc(2.08e-7, 1e-7)  # ratio 2.08: within the bound only thanks to the 8·eps floor

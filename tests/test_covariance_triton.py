@@ -427,13 +427,13 @@ def test_auto_selects_triton_on_cuda_and_torch_elsewhere(monkeypatch):
     from fastspec.covariance import policy
 
     cpu = torch.zeros(1)
-    assert policy.update_plan("auto", "auto", True, cpu).backend == "torch"
-    assert policy.update_plan("auto", "triton", True, cpu).backend == "triton"
-    assert policy.update_plan("auto", "triton", False, cpu) == (torch.float32, "triton")  # explicit triton: fp32
+    assert policy.update_plan(policy.UpdateSettings("auto", "auto"), True, cpu).backend == "torch"
+    assert policy.update_plan(policy.UpdateSettings("auto", "triton"), True, cpu).backend == "triton"
+    assert policy.update_plan(policy.UpdateSettings("auto", "triton"), False, cpu) == (torch.float32, "triton")  # explicit triton: fp32
     # update_plan looks only at .is_cuda/.dtype/.device; a stand-in lets the CPU suite check the CUDA branch
     monkeypatch.setattr(policy, "full_rate_fp64", lambda device: False)
     cuda = types.SimpleNamespace(is_cuda=True, dtype=torch.float16, device=torch.device("cuda"))
-    assert policy.update_plan("auto", "auto", False, cuda).backend == "triton"
+    assert policy.update_plan(policy.UpdateSettings("auto", "auto"), False, cuda).backend == "triton"
 
 
 def test_triton_backend_reaches_the_kernel(monkeypatch):
@@ -484,7 +484,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from fastspec.covariance import triton_kernels as K
 from fastspec.covariance import triton_update as tu
-from fastspec.bench.sass import kernels as sass_kernels
+from benchmarks.sass import kernels as sass_kernels
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 ptrs = {"p_mask": "*u8", "p_status": "*i8", "p_c": "*fp32", "p_G": "*fp32", "p_s": "*fp32",
@@ -518,7 +518,7 @@ def tool(name, cubin, *args):
 
 def sass_stats(cubin):
     # registers/stack from the cubin's resource usage; ops of the first loop (the fast row loop)
-    # from the disassembly (fastspec.bench.sass: a loop runs from a backward branch's target to
+    # from the disassembly (benchmarks/sass.py: a loop runs from a backward branch's target to
     # the branch)
     res = tool("cuobjdump", cubin, "-res-usage")
     (kernel,) = sass_kernels(tool("cuobjdump", cubin, "-sass"))

@@ -192,6 +192,7 @@ def test_report_pairs_only_conditions_that_have_the_site(tmp_path):
     assert (tmp_path / "plots" / "key_pr_layers.png").is_file()
 
 
+@pytest.mark.slow
 def test_ctrl_c_leaves_a_valid_partial_run(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -236,7 +237,7 @@ def test_demo_refuses_to_overwrite_a_run(quick_run, capsys):
 
 def test_flags_build_the_config():
     from fastspec.cli import build_parser
-    from fastspec.demo.cli import config_from_args
+    from fastspec.commands.demo import config_from_args
 
     args = build_parser().parse_args(["demo", "--quick", "--d-model", "96", "--layers", "3", "--steps", "5",
                                       "--device", "cpu", "--conditions", "no_qk_norm"])

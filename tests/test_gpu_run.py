@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from fastspec.bench import runner
-from fastspec.bench.case import Case
+from fastspec.bench.case import Case, exactly_zero
 from fastspec.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,7 +46,8 @@ def _case(name: str, work=lambda: None) -> Case:
     """A tiny case whose fastspec side runs ``work()`` (sleep, or a signal to this process)."""
     return Case(suite="eigvalsh", size=name, variant="auto", setup=dict,
                 fastspec=lambda inp: work(), baselines={"nothing": lambda inp: None},
-                check=lambda inp: {"fastspec_error": 0.0, "baseline_error": 0.0}, error_kind="none")
+                check=lambda inp: {"fastspec_error": 0.0, "baseline_error": 0.0}, error_kind="none",
+                claim=exactly_zero())
 
 
 # ------------------------------------------------------------------------- the runner's time cap
@@ -74,7 +75,7 @@ def test_a_sigterm_whose_exception_python_drops_still_stops_the_run(tmp_path, mo
     handler's flag must still stop the run before the next case."""
     import weakref
 
-    import fastspec.bench.cases as cases_mod
+    import fastspec.bench.suites as cases_mod
 
     class Thing:
         pass
@@ -123,7 +124,7 @@ def test_compare_killed_by_sigterm_keeps_the_finished_rows(tmp_path, monkeypatch
 def test_sigterm_mid_case_writes_partial_results_and_exits_0(tmp_path, monkeypatch):
     """What `timeout -s TERM` does to a bench step: the case in flight is dropped, the finished
     ones stay in the JSON, the rest are marked, and the step is not a failure."""
-    import fastspec.bench.cases as cases_mod
+    import fastspec.bench.suites as cases_mod
 
     def sigterm():
         os.kill(os.getpid(), signal.SIGTERM)
@@ -167,7 +168,7 @@ def test_bad_cap_flags_name_the_flag(argv, match, capsys):
 
 
 def test_filter_and_exclude_select_cases_by_suite_size_variant_tags():
-    from fastspec.bench.cli import select
+    from fastspec.bench.case import select
 
     cs = [_case("B16-n32-fp32"), _case("B4-n64-fp32"), _case("B4-n64-fp64")]
     cs[2].tags = frozenset({"headline"})
@@ -213,7 +214,7 @@ def test_summary_merges_the_steps_into_one_results_document(tmp_path):
 
 
 def test_summary_line_of_a_copy_row_gives_the_share_of_the_copy_bandwidth():
-    from fastspec.bench.cases_covariance import COPY
+    from fastspec.bench.suites.covariance import COPY
 
     row = {"suite": "covariance", "size": "keys", "variant": "triton-kernel", "baseline": COPY,
            "fastspec_s": 2e-5, "baseline_s": 1e-5, "speedup": 0.5, "rate_unit": "GB/s",
@@ -291,8 +292,8 @@ def test_the_headline_numbers_come_first_and_the_tools_once():
 def test_every_case_is_measured_exactly_once_by_the_plan(tier):
     """The bench steps' selections partition every suite's cases (gpu: the real run; quick: the
     dry run, which must select the same way)."""
-    from fastspec.bench.cases import SUITES, cases
-    from fastspec.bench.cli import select
+    from fastspec.bench.case import select
+    from fastspec.bench.suites import SUITES, cases
 
     steps = [s for steps in gpu_run.PLAN.values() for s in steps if s.kind == "bench"]
     assert {s.suite for s in steps} == set(SUITES)
@@ -379,7 +380,7 @@ def test_a_probe_must_show_the_tool_working():
     assert not gpu_tools.probe_ok("compute-sanitizer", 1, "========= ERROR SUMMARY: 0 errors")
 
 
-@pytest.mark.parametrize("command", ["ncu", "sanitize"])
+@pytest.mark.parametrize("command", ["ncu", pytest.param("sanitize", marks=pytest.mark.slow)])
 def test_a_missing_tool_is_skipped_and_its_targets_still_rehearsed(command, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PATH", str(tmp_path))  # nothing on it: the tool is missing
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -440,6 +441,7 @@ def _hidden(tmp_path: Path) -> dict[str, str]:
             "PYTHONPATH": os.pathsep.join([str(hide), *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
+@pytest.mark.slow
 def test_dry_run_of_the_whole_plan_offline_with_tools_and_anchors_missing(tmp_path):
     """The acceptance check: the three commands, exactly as a GPU session runs them, on CPU."""
     env = _hidden(tmp_path)
@@ -495,7 +497,8 @@ def _json_steps() -> list:
     return [s for steps in gpu_run.PLAN.values() for s in steps if s.kind in ("bench", "compare")]
 
 
-@pytest.mark.parametrize("step", _json_steps(), ids=lambda s: s.name)
+@pytest.mark.parametrize("step", [pytest.param(s, marks=() if s.name == "bench-covariance" else pytest.mark.slow)
+                                  for s in _json_steps()], ids=lambda s: s.name)  # one step in the fast tier
 def test_sigterm_to_any_step_leaves_valid_json_for_what_finished(step, tmp_path):
     """Each step that writes JSON, started as the kit starts it (dry), is sent SIGTERM as soon as
     one case has finished: its file is valid JSON holding that case, the rest marked skipped."""

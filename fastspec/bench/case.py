@@ -1,12 +1,16 @@
-"""What a benchmark case is, and the helpers every suite module shares.
+"""What a benchmark case is, the accuracy it claims, and the helpers every suite module shares.
 
 The bottom of :mod:`fastspec.bench`: it imports nothing else from the package, so the suite
-modules (``cases_*``), the runner and the pytest glue can all build on it without a cycle. The
-registry that lists the suites is one level up, in :mod:`fastspec.bench.cases`.
+modules (:mod:`fastspec.bench.suites`), the runner and the pytest glue can all build on it
+without a cycle. The registry that lists the suites is one level up, in
+:mod:`fastspec.bench.suites`.
 
 A :class:`Case` is one (suite, size, fastspec variant): how to build its inputs, the fastspec
-callable, one or more baseline callables a user would otherwise write, and an accuracy check
-(error against an fp64 reference, or the PR difference against the hand-written protocol).
+callable, one or more baseline callables a user would otherwise write, an accuracy check (error
+against an fp64 reference, or the PR difference against the hand-written protocol) and the
+:class:`Claim` that check must hold, set where the case is built. ``pytest benchmarks``
+(``benchmarks/conftest.py``) and ``fastspec bench`` (:mod:`fastspec.bench.runner`) both judge a
+case by :meth:`Claim.violated`, so the two cannot disagree on what passes.
 Sizes come in three tiers (:data:`TIERS`):
 
 * ``quick``: seconds on a 2-core CPU; CI and the Triton interpreter.
@@ -17,7 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ContextManager
 
@@ -30,6 +35,73 @@ HEADLINE = "headline"
 
 Inputs = dict[str, Any]
 
+EPS32 = torch.finfo(torch.float32).eps
+EPS64 = torch.finfo(torch.float64).eps
+FLOOR_EPS = 8
+"""The floor of :func:`no_worse_than`, in eps_fp32 (errors are relative to the matrix scale): it
+keeps a baseline that happens to round almost exactly from making the bound ~0; 8 is the value
+tests/test_eig_host.py uses for the solvers themselves."""
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The accuracy a case promises, checked on the dict its ``check`` returns.
+
+    ``fastspec_error`` must be finite and at most ``factor × errors[relative_to] + floor``
+    (``relative_to`` None: at most ``floor``), and every field named in ``zero`` must be 0.
+    :meth:`violated` is the one rule: ``benchmarks/conftest.py`` asserts it, ``fastspec bench``
+    marks a row that breaks it and exits 1. Build one with :func:`no_worse_than`,
+    :func:`at_most` or :func:`exactly_zero`.
+
+    Attributes:
+        text: the bound on fastspec's error in words, for tables, JSON and messages
+            (``≤ 2 × baseline_error + 8·eps_fp32``).
+    """
+
+    text: str
+    factor: float = 0.0
+    floor: float = 0.0
+    relative_to: str | None = None
+    zero: tuple[str, ...] = ()
+
+    def violated(self, errors: Mapping[str, Any]) -> str | None:
+        """None when ``errors`` hold the claim, else one line saying how they break it."""
+        err = errors.get("fastspec_error")
+        if err is None or not math.isfinite(err):
+            return f"fastspec error is {err} (claim: {self.text})"
+        bound, of = self.floor, ""
+        if self.relative_to is not None:
+            ref = errors.get(self.relative_to)
+            if ref is None or not math.isfinite(ref):
+                return f"{self.relative_to} is {ref}: no reference to hold the error to (claim: {self.text})"
+            bound += self.factor * ref
+            of = f", {self.relative_to} {ref:.3g}"
+        if not err <= bound:
+            return f"fastspec error {err:.3g} > {bound:.3g} (claim: {self.text}{of})"
+        for name in self.zero:
+            if errors.get(name) != 0:
+                return f"{name} is {errors.get(name)} (claim: {self.text})"
+        return None
+
+
+def no_worse_than(relative_to: str = "baseline_error", *, floor: float = FLOOR_EPS * EPS32,
+                  floor_text: str = f"{FLOOR_EPS}·eps_fp32") -> Claim:
+    """fastspec's error at most 2 × ``errors[relative_to]`` (the baseline in the same precision,
+    both relative to the scale) + ``floor``: the fast path may not be meaningfully less accurate
+    than what it replaces."""
+    return Claim(f"≤ 2 × {relative_to} + {floor_text}", factor=2.0, floor=floor, relative_to=relative_to)
+
+
+def at_most(bound: float) -> Claim:
+    """fastspec's error at most ``bound`` (a parity target of its own)."""
+    return Claim(f"≤ {bound:g}", floor=bound)
+
+
+def exactly_zero(*zero: str) -> Claim:
+    """fastspec's error 0 (e.g. the loss unchanged by the probe), and every field of ``zero``
+    too (e.g. ``graph_breaks``)."""
+    return Claim("= 0" + "".join(f", {name} = 0" for name in zero), zero=zero)
+
 
 @dataclass
 class Case:
@@ -41,8 +113,9 @@ class Case:
         setup: builds the inputs on the device (called once per case).
         fastspec: the call being timed.
         baselines: ``{name: call}`` timed the same way in the same run.
-        check: ``inputs -> {"fastspec_error": x, "baseline_error": y | None}``; ``error_kind``
-            says what the numbers are (e.g. ``max rel err vs fp64``).
+        check: ``inputs -> {"fastspec_error": x, "baseline_error": y | None, ...}``;
+            ``error_kind`` says what the numbers are (e.g. ``max rel err vs fp64``).
+        claim: the :class:`Claim` that ``check``'s numbers must hold.
         rate: ``(unit, seconds -> value)`` for throughput next to time (GB/s, µs/matrix), or None.
         fastspec_context: context manager entered around the fastspec timing (a probe's hooks).
         skip: reason the case cannot run here (unavailable backend or dependency), else None.
@@ -55,7 +128,7 @@ class Case:
             ``overhead_pct = (fastspec_s / baseline_s − 1)·100``.
         teardown: called with the inputs once the case is done (e.g. detach a probe that
             stayed attached for a compiled model), or None.
-        tags: words ``--filter``/``--exclude`` also match (:func:`fastspec.bench.cli.select`);
+        tags: words ``--filter``/``--exclude`` also match (:func:`select`);
             :data:`HEADLINE` marks the cases the GPU kit measures first.
         row_extra: ``row -> {field: value}`` added to each timed row (e.g. a bandwidth share
             derived from a reference copy's time), or None.
@@ -69,6 +142,7 @@ class Case:
     baselines: dict[str, Callable[[Inputs], Any]]
     check: Callable[[Inputs], dict[str, float | None]]
     error_kind: str
+    claim: Claim
     rate: tuple[str, Callable[[float], float]] | None = None
     fastspec_context: Callable[[Inputs], ContextManager] = field(
         default=lambda inputs: contextlib.nullcontext())
@@ -89,6 +163,17 @@ class Case:
     def id(self) -> str:
         """Readable id for pytest: ``B4096-n128-fp32-auto``."""
         return f"{self.size}-{self.variant}"
+
+
+def select(cases: list[Case], filters: list[str] | None, excludes: list[str] | None = None) -> list[Case]:
+    """Cases whose ``'suite size variant tags'`` contains any of ``filters`` (all without
+    filters) and none of ``excludes`` (``fastspec bench --filter/--exclude``)."""
+    def text(c: Case) -> str:
+        return " ".join([c.suite, c.size, c.variant, *sorted(c.tags)])
+
+    return [c for c in cases
+            if (not filters or any(f in text(c) for f in filters))
+            and not any(f in text(c) for f in excludes or ())]
 
 
 def default_device() -> torch.device:

@@ -2,10 +2,9 @@
 them, their inputs, the hand-written key-rank protocol, and the training-step case with layer
 fitting.
 
-Shared by :mod:`fastspec.bench.cases_models` (the ``keyrank`` and ``train_step`` suites) and
-:mod:`fastspec.bench.cases_probe` (the ``probe`` suite); it imports only
-:mod:`fastspec.bench.case` and :mod:`fastspec.bench.timing`, so neither suite module imports the
-other. Models are ``transformers.LlamaForCausalLM`` built from a config (:data:`MODEL_SHAPES`)
+Shared by the suite modules :mod:`fastspec.bench.suites.keyrank`,
+:mod:`fastspec.bench.suites.train_step` and :mod:`fastspec.bench.suites.probe`; it imports only
+:mod:`fastspec.bench.case` and :mod:`fastspec.bench.timing`, so no suite module imports another. Models are ``transformers.LlamaForCausalLM`` built from a config (:data:`MODEL_SHAPES`)
 with random weights: timings and protocol agreement do not depend on training. The ``gpu``
 shape is the 1.5B model of the key-rank protocol (docs/protocols.md: d_model 2048, 32 layers,
 16 query / 8 KV heads of 128, d_ff 8192) in bf16; ``cpu``/``quick`` are small fp32 models of
@@ -48,7 +47,7 @@ from typing import Any
 
 import torch
 
-from .case import Case, Inputs, free_memory
+from .case import Case, Inputs, exactly_zero, free_memory
 from .timing import time_once
 
 # Catch the allocator's own error only: any other failure of the trial is a real error of the case.
@@ -435,6 +434,10 @@ def train_step_case(tier: str, device: torch.device, emit_every: int, *, shape: 
     baseline = "compiled training step without probe" if compiled else "training step without probe"
     return Case(suite=suite, size=size_prefix + size_id(tier, shape, batch_shape), variant=variant,
                 setup=setup, fastspec=probed, baselines={baseline: plain},
-                check=check, error_kind="|Δloss| with probe", skip=skip, notes=notes,
+                check=check, error_kind="|Δloss| with probe",
+                # hooks must not change the numbers; compiled, the probe must not break the graph
+                # (fullgraph=True would raise) nor make a step recompile (its schedule is data)
+                claim=exactly_zero("graph_breaks", "recompiles") if compiled else exactly_zero(),
+                skip=skip, notes=notes,
                 fastspec_context=streaming, overhead=True,
                 teardown=release if compiled else None)

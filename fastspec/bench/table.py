@@ -1,26 +1,12 @@
-"""Tables of benchmark results: the terminal table of ``fastspec bench`` and the README block.
+"""Result rows as text: the tables of ``fastspec bench`` and ``fastspec compare``.
 
-The README's benchmark table is generated, never typed: every number in it comes from a result
-file in ``benchmarks/results/`` and each table names the device and file that produced it.
-
-    python -m fastspec.bench.table                  # rewrite the block between the README markers
-    python -m fastspec.bench.table --check          # exit 1 if the README is out of date
-    python -m fastspec.bench.table --readme PATH    # another README (results: PATH's folder/benchmarks/results)
-
-The README is rewritten only by this command (or ``fastspec bench --table``), never as a side
-effect of a benchmark run. Without ``--readme`` it is the repository's: ``README.md`` in the
-checkout that holds the imported ``fastspec`` package, whatever the current directory; an
-installed package has no such README, and the command says to pass ``--readme``.
+Cells and labels of one row (:func:`bench_cells`, :func:`compare_cells`, the noise rule of
+:data:`NOISE_RULE`), the narrow per-suite view of ``fastspec bench`` (:func:`bench_text`), the
+one-table view (:func:`render_text`; ``--wide``) and the verdict lines. The README's tables are
+built from the same cells by a developer tool outside the package, ``benchmarks/readme_table.py``.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
-from pathlib import Path
-
-BEGIN, END = "<!-- bench-table -->", "<!-- /bench-table -->"
 # every field in one row: the README's tables and ``fastspec bench --wide``
 BENCH_COLUMNS = ("suite", "size", "variant", "fastspec", "baseline", "baseline time", "speedup",
                  "throughput", "accuracy")
@@ -112,6 +98,8 @@ def bench_cells(row: dict) -> dict[str, str]:
         acc += f"; max |ΔPR| vs baseline {fmt_num(row['pr_diff_vs_baseline'])}"
     if "error" in row:
         acc += f" ERROR: {row['error']}"
+    if row.get("claim_held") is False:
+        acc += f" FAIL: {row['claim_violation']}"
     cells["accuracy"] = acc
     return cells
 
@@ -121,7 +109,7 @@ def bound_label(row: dict) -> str:
     :func:`fastspec.bench.accuracy.within_bound`), from the exact errors, never the rounded
     ratio: ``≤ 2×`` (fastspec error ≤ 2 × torch's), ``≤ 2× + 8·eps`` (above 2× but within the
     floor), ``FAIL``."""
-    from .accuracy import FLOOR_EPS
+    from .case import FLOOR_EPS
 
     if not row.get("within_2x_torch"):
         return "FAIL"
@@ -144,7 +132,7 @@ def compare_cells(row: dict) -> dict[str, str]:
 def compare_verdict(rows: list[dict]) -> tuple[bool, str]:
     """``(passed, line)``: the last line of ``fastspec compare``. Every (family, n, variant) that
     ran must hold the bound; one that raised fails; one the time cap left out is neither."""
-    from .accuracy import FLOOR_EPS
+    from .case import FLOOR_EPS
 
     ran = [r for r in rows if "skipped" not in r]
     bad = [r for r in ran if not r.get("within_2x_torch")]
@@ -161,6 +149,18 @@ def compare_verdict(rows: list[dict]) -> tuple[bool, str]:
                       for r in bad[:5])
     more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
     return False, f"FAIL: {len(bad)} of {len(ran)} cases exceed {bound}: {worst}{more}{capped}"
+
+
+def claims_verdict(rows: list[dict]) -> str | None:
+    """The last line of ``fastspec bench`` when some case's errors break its accuracy claim
+    (``claim_held`` false on its rows), naming the cases; None when none does."""
+    bad = list(dict.fromkeys(f"{r['suite']} {r['size']} {r['variant']}"
+                             for r in rows if r.get("claim_held") is False))
+    if not bad:
+        return None
+    more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+    verb = "breaks its" if len(bad) == 1 else "break their"
+    return f"FAIL: {_count(len(bad))} {verb} accuracy claim (the FAIL notes say how): {', '.join(bad[:5])}{more}"
 
 
 def render_text(columns: tuple[str, ...], cells: list[dict[str, str]], right: tuple[str, ...] = (),
@@ -190,7 +190,7 @@ def _compact_cells(row: dict) -> dict[str, str]:
     err = fmt_num(row["fastspec_error"])
     if row.get("baseline_error") is not None:
         err += f" ({fmt_num(row['baseline_error'])})"
-    cells["error"] = err + (" ERROR" if "error" in row else "")
+    cells["error"] = err + (" ERROR" if "error" in row else "") + (" FAIL" if row.get("claim_held") is False else "")
     if row.get("pr_diff_vs_baseline") is not None:
         cells["|ΔPR|"] = fmt_num(row["pr_diff_vs_baseline"])
     return cells
@@ -203,9 +203,11 @@ def bench_text(rows: list[dict], width: int = WIDTH) -> str:
     Each table: size, variant, median times of fastspec and the baseline, ``speedup`` (or
     ``overhead`` for a probe on top of its baseline: :func:`overhead_text`), the throughput as
     ``fastspec vs baseline`` under its unit, the error as ``fastspec (baseline)`` and ``|ΔPR|``
-    where the case has it. Long texts (baseline names, error kinds, skip reasons) are in the
-    titles and notes, so a table is about as wide as its numbers; everything else is in
-    ``--json`` (all fields) and ``--wide`` (the README's one-table layout).
+    where the case has it, marked ``FAIL`` when it breaks the case's accuracy claim
+    (:class:`~fastspec.bench.case.Claim`; the note below the table says how). Long texts
+    (baseline names, error kinds, skip reasons, violations) are in the titles and notes, so a
+    table is about as wide as its numbers; everything else is in ``--json`` (all fields) and
+    ``--wide`` (the README's one-table layout).
     """
     import textwrap
 
@@ -214,6 +216,8 @@ def bench_text(rows: list[dict], width: int = WIDTH) -> str:
         tables, notes = suites.setdefault(r["suite"], ({}, {}))
         if "fastspec_s" in r:
             tables.setdefault((r["baseline"], r["error_kind"]), []).append(r)
+        if r.get("claim_held") is False:  # on every row of the case: one note, not one per baseline
+            notes.setdefault(("FAIL", f"{r['size']} {r['variant']}", r["claim_violation"]), 1)
         if "error" in r:
             note = ("ERROR", f"{r['size']} {r['variant']}", r["error"])
         elif "skipped" in r:  # a baseline (or the requested depth) left out, or the whole case
@@ -253,12 +257,6 @@ def bench_text(rows: list[dict], width: int = WIDTH) -> str:
     return "\n".join(out).lstrip("\n")
 
 
-def render_markdown(columns: tuple[str, ...], cells: list[dict[str, str]]) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(r.get(c, "").replace("|", "\\|") for c in columns) + " |" for r in cells]
-    return "\n".join(lines)
-
-
 def describe_environment(env: dict) -> str:
     """``device (driver, CUDA) · torch · triton · fastspec`` in one line."""
     device = env["device"] if env["device"] != "cpu" else f"CPU: {env.get('cpu', 'cpu')}"
@@ -268,143 +266,3 @@ def describe_environment(env: dict) -> str:
             f" · fastspec {env['fastspec']}")
 
 
-def load_results(results_dir: Path, kind: str = "bench") -> list[tuple[Path, dict]]:
-    """``fastspec bench --json`` (or ``compare``) documents in ``results_dir``, sorted by name."""
-    out = []
-    for path in sorted(Path(results_dir).glob("*.json")):
-        doc = json.loads(path.read_text())
-        if doc.get("kind") == kind:
-            out.append((path, doc))
-    return out
-
-
-def compare_summary(doc: dict, name: str) -> str:
-    """One line for a ``fastspec compare`` document: how many rows hold the bound, the worst."""
-    from .accuracy import FLOOR_EPS
-
-    rows = [r for r in doc["results"] if "skipped" not in r]  # cut by a time cap: not run
-    ok = sum(bool(r.get("within_2x_torch")) for r in rows)
-    rated = [r for r in rows if r.get("ratio") is not None]
-    worst = max(rated, key=lambda r: r["ratio"]) if rated else None
-    families = sorted({r["family"] for r in rows})
-    line = (f"Accuracy (`fastspec compare`, {describe_environment(doc['environment'])}): {ok}/{len(rows)} "
-            f"(family, n, solver) within 2× torch.linalg fp32 + {FLOOR_EPS}·eps vs fp64, over {len(families)} "
-            f"matrix families ({', '.join(families)})")
-    if len(rows) < len(doc["results"]):
-        line += f"; {len(doc['results']) - len(rows)} not run (time cap)"
-    if worst is not None:
-        line += (f"; worst ratio to torch {worst['ratio']:.3g} ({worst['family']}, n={worst['n']}, "
-                 f"{worst['variant']})")
-    return line + f"; from `{name}`.\n"
-
-
-def readme_block(results_dir: Path, relative_to: Path = Path(".")) -> str:
-    """The markdown between the README markers: one table per result file, measured rows only.
-
-    File names are written relative to ``relative_to`` (the README's folder).
-    """
-    parts = []
-    for path, doc in load_results(results_dir):
-        name = Path(os.path.relpath(path, relative_to)).as_posix()
-        measured = [r for r in doc["results"] if "fastspec_s" in r]
-        left_out = len(doc["results"]) - len(measured)
-        threads = f", torch threads: {doc['torch_threads']}" if doc["environment"]["device"] == "cpu" else ""
-        parts.append(f"**{describe_environment(doc['environment'])}** — {doc['date'][:10]}{threads}, "
-                     f"`{doc['tier']}` sizes, from `{name}`"
-                     + (f" ({left_out} case(s) not run there: see the file)" if left_out else "") + "\n")
-        parts.append(render_markdown(BENCH_COLUMNS, [bench_cells(r) for r in measured]) + "\n")
-    for path, doc in load_results(results_dir, "compare"):
-        parts.append(compare_summary(doc, Path(os.path.relpath(path, relative_to)).as_posix()))
-    if not parts:
-        parts.append("No benchmark results committed yet.\n")
-    return "\n".join(parts)
-
-
-def splice(readme: str, block: str) -> str:
-    """``readme`` with the text between the markers replaced by ``block``."""
-    if not has_block(readme):
-        raise ValueError(f"readme: expected one {BEGIN} ... {END} block")
-    head, rest = readme.split(BEGIN)
-    tail = rest.split(END)[1]
-    return f"{head}{BEGIN}\n{block}{END}{tail}"
-
-
-def has_block(text: str) -> bool:
-    """Whether ``text`` holds exactly one ``BEGIN ... END`` block (what :func:`splice` needs)."""
-    return text.count(BEGIN) == 1 and text.count(END) == 1 and text.index(BEGIN) < text.index(END)
-
-
-def repository_readme() -> Path:
-    """``README.md`` of the source checkout holding the imported ``fastspec`` package.
-
-    ValueError (one line, naming ``--readme``) when there is none with the table markers there,
-    e.g. for a package installed into site-packages.
-    """
-    import fastspec
-
-    root = Path(fastspec.__file__).resolve().parents[1]
-    readme = root / "README.md"
-    if not readme.is_file() or not has_block(readme.read_text()):
-        raise ValueError(f"--readme: no README.md with one {BEGIN} ... {END} block next to the fastspec "
-                         f"package ({root}); pass --readme PATH")
-    return readme
-
-
-def regenerate(readme: Path | None = None, results_dir: Path | None = None, *,
-               check: bool = False) -> tuple[Path, bool]:
-    """Rewrite (with ``check``: only compare) the table block of ``readme``; ``(readme, fresh)``.
-
-    ``readme`` defaults to :func:`repository_readme`, ``results_dir`` to ``benchmarks/results``
-    next to the README. ValueError (one line, naming the flag) for a README without the block or
-    a missing results folder: an empty folder would silently replace every table.
-    """
-    readme = repository_readme() if readme is None else Path(readme)
-    if not readme.is_file():
-        raise ValueError(f"--readme: {readme} is not a file")
-    if not has_block(readme.read_text()):
-        raise ValueError(f"--readme: {readme} has no single {BEGIN} ... {END} block; "
-                         f"pass --readme PATH of a README that has one")
-    results_dir = readme.parent / "benchmarks" / "results" if results_dir is None else Path(results_dir)
-    if not results_dir.is_dir():
-        raise ValueError(f"--results: {results_dir} is not a directory; pass --results DIR")
-    return readme, update_readme(readme, results_dir, check=check)
-
-
-def update_readme(readme: Path, results_dir: Path, *, check: bool = False) -> bool:
-    """Rewrite (or with ``check`` only compare) the README block; True if it was up to date."""
-    readme = Path(readme)
-    text = readme.read_text()
-    new = splice(text, readme_block(results_dir, readme.parent))
-    if new == text:
-        return True
-    if not check:
-        readme.write_text(new)
-    return False
-
-
-def main(argv: list[str] | None = None) -> int:
-    prog = "python -m fastspec.bench.table"
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    p.add_argument("--readme", type=Path, metavar="PATH",
-                   help="the README to rewrite (default: README.md of the repository holding the fastspec package)")
-    p.add_argument("--results", type=Path, metavar="DIR",
-                   help="result files (default: benchmarks/results next to the README)")
-    p.add_argument("--check", action="store_true", help="only check; exit 1 if the README is stale")
-    args = p.parse_args(argv)
-    try:
-        readme, fresh = regenerate(args.readme, args.results, check=args.check)
-    except ValueError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    if args.check:
-        if not fresh:
-            print(f"{readme} benchmark table is out of date: run {prog}", file=sys.stderr)
-            return 1
-        print(f"{readme} benchmark table is up to date")
-    else:
-        print(f"{readme} benchmark table " + ("already up to date" if fresh else "rewritten"))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,12 +1,12 @@
-"""What ``fastspec bench`` (:mod:`fastspec.bench.cli`) and ``fastspec compare``
-(:mod:`fastspec.bench.cli_compare`) share: the flags' constants, their validation, device and
+"""What ``fastspec bench`` (:mod:`fastspec.commands.bench`) and ``fastspec compare``
+(:mod:`fastspec.commands.compare`) share: the flags' constants, their validation, device and
 tier resolution, the header line and the atomic JSON writer.
 
 Both commands import this module and neither imports the other's helpers, so ``bench
 --accuracy`` can hand over to ``compare`` without an import cycle. Nothing here imports torch
 at module level: ``fastspec bench --help`` builds its parser from the constants below
 (tests/test_bench_cli.py checks they match :data:`fastspec.bench.case.TIERS` and
-:data:`fastspec.bench.cases.SUITES`).
+:data:`fastspec.bench.suites.SUITES`).
 
 Bad input raises ValueError with a one-line message that starts with the flag; ``fastspec``'s
 dispatcher (:func:`fastspec.cli.main`) prints it as a usage error. Every check runs before
@@ -62,7 +62,7 @@ def parse_device(text: str | None):
     cuda if available, else cpu)."""
     import torch
 
-    from .case import default_device
+    from ..bench.case import default_device
 
     if text is None:
         return default_device()
@@ -82,7 +82,7 @@ def parse_device(text: str | None):
 
 def resolve(args: argparse.Namespace):
     """``(device, tier)`` from the flags; ValueError naming the flag on a contradiction."""
-    from .case import default_tier
+    from ..bench.case import default_tier
 
     if args.quick and args.tier not in (None, "quick"):
         raise ValueError(f"--quick contradicts --tier {args.tier}: give one of them")
@@ -98,7 +98,7 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 def print_header(env: dict, tier: str, extra: str = "") -> None:
-    from .table import describe_environment
+    from ..bench.table import describe_environment
 
     print(f"# {describe_environment(env)}")
     import torch
@@ -112,7 +112,7 @@ def sigterm_as_time_cap():
     """SIGTERM raises :class:`~fastspec.bench.runner.TimeCap` inside the block (main thread only)
     and sets :data:`~fastspec.bench.runner.STOP`, which still ends the run at the next case if
     Python drops the exception (raised inside a weakref callback or a destructor)."""
-    from .runner import STOP, TimeCap
+    from ..bench.runner import STOP, TimeCap
 
     def handler(signum, frame):
         STOP.set()

@@ -1,29 +1,33 @@
 """``fastspec bench``: time fastspec against what one writes with torch.linalg.
 
-Runs the cases of :mod:`fastspec.bench.cases` (the same ones ``pytest benchmarks`` runs) without
-pytest: warmup, then the median of repeats (CUDA events on GPU, ``perf_counter`` on CPU), and
-prints, under a header naming device, driver/CUDA, torch, triton and fastspec versions, one
-narrow table per suite and baseline (:func:`fastspec.bench.table.bench_text`; ``--wide``: every
-field in one table, as in the README). A speedup or overhead within the spread of the repeats
-prints as noise (:data:`fastspec.bench.table.NOISE_RULE`); ``--json`` keeps every number.
+Runs the cases of :mod:`fastspec.bench.suites` (the same ones ``pytest benchmarks`` runs)
+without pytest: warmup, then the median of repeats (CUDA events on GPU, ``perf_counter`` on
+CPU), and prints, under a header naming device, driver/CUDA, torch, triton and fastspec versions,
+one narrow table per suite and baseline (:func:`fastspec.bench.table.bench_text`; ``--wide``:
+every field in one table, as in the README). A speedup or overhead within the spread of the
+repeats prints as noise (:data:`fastspec.bench.table.NOISE_RULE`); ``--json`` keeps every number.
 
     fastspec bench                              # GPU sizes with CUDA, CPU sizes otherwise
     fastspec bench --quick                      # seconds on a CPU (CI)
     fastspec bench --json benchmarks/results/<device>-<date>.json
     fastspec bench --accuracy                   # same as `fastspec compare`
-    fastspec bench --table                      # regenerate the repository README's table
     fastspec bench --time-limit 240 --json r.json   # stop cleanly after 240 s, keep what ran
+
+Accuracy: each case carries its claim (:class:`fastspec.bench.case.Claim`, the rule ``pytest
+benchmarks`` asserts too). A case whose errors break it is marked ``FAIL`` in the tables, its rows
+in ``--json`` get ``claim_held: false`` and ``claim_violation``, the last line says
+``FAIL: ...`` and the exit status is 1, as for a case that raised.
 
 Time cap: with ``--time-limit`` no case starts after the limit, and SIGTERM (``timeout``'s
 signal) ends the case in flight; either way the cases not measured get ``skipped`` rows naming
 the cap, ``--json`` holds every row measured so far (it is rewritten after each case, so even a
-SIGKILL keeps the finished ones) and the exit status is 0 unless a case raised.
+SIGKILL keeps the finished ones) and a capped run is not a failure.
 
 Bad flags (and flags the chosen mode would ignore) are refused with a one-line ValueError naming
 the flag before anything runs or is written.
 
-Layout: the flags both commands share are in :mod:`fastspec.bench.cli_common`; ``--accuracy``
-hands over to :mod:`fastspec.bench.cli_compare`, which imports nothing from here.
+Layout: the flags both commands share are in :mod:`fastspec.commands._bench_common`;
+``--accuracy`` hands over to :mod:`fastspec.commands.compare`, which imports nothing from here.
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ import contextlib
 import sys
 from pathlib import Path
 
-from .cli_common import (
+from ._bench_common import (
     SUITES,
     TIERS,
     add_time_limit,
@@ -45,17 +49,20 @@ from .cli_common import (
     write_json,
 )
 
-# flags that only a timing run reads: refused with --accuracy or --table rather than ignored
+# flags that only a timing run reads: refused with --accuracy rather than ignored
 RUN_ONLY = {"suite": "--suite", "filter": "--filter", "exclude": "--exclude", "warmup": "--warmup", "repeats": "--repeats",
             "threads": "--threads", "wide": "--wide"}
-SHARED = {"quick": "--quick", "tier": "--tier", "device": "--device", "json": "--json",
-          "time_limit": "--time-limit", "accuracy": "--accuracy"}
+
+
+CLAIM_RULE = ("Accuracy: every case holds fastspec's error to the claim its suite makes (the rule "
+              "`pytest benchmarks` asserts too); a case that breaks it is marked FAIL in the tables and "
+              "in --json (claim_held: false) and the exit status is 1, as when a case raises.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .table import NOISE_RULE
+    from ..bench.table import NOISE_RULE
 
-    p.epilog = NOISE_RULE
+    p.epilog = f"{CLAIM_RULE} {NOISE_RULE}"
     p.add_argument("--quick", action="store_true", help="tiny sizes, seconds on a CPU (same as --tier quick)")
     p.add_argument("--tier", choices=TIERS, help="size tier (default: gpu with CUDA, cpu otherwise)")
     p.add_argument("--suite", action="append", choices=SUITES,
@@ -78,12 +85,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip cases whose 'suite size variant tags' contains TEXT (repeatable)")
     add_time_limit(p)
     p.add_argument("--accuracy", action="store_true", help="run the accuracy comparison only (fastspec compare)")
-    p.add_argument("--table", action="store_true",
-                   help="regenerate the README's benchmark table from benchmarks/results/*.json and exit "
-                        "(the same as python -m fastspec.bench.table)")
-    p.add_argument("--readme", type=Path, metavar="PATH",
-                   help="with --table: the README to rewrite (default: README.md of the repository "
-                        "holding the fastspec package)")
 
 
 def refuse(args: argparse.Namespace, flags: dict[str, str], mode: str) -> None:
@@ -101,30 +102,10 @@ def check_run_flags(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag}: expected an int >= {least}, got {value}")
 
 
-def select(cases: list, filters: list[str] | None, excludes: list[str] | None = None) -> list:
-    """Cases whose ``'suite size variant tags'`` contains any of ``filters`` (all without
-    filters) and none of ``excludes``."""
-    def text(c) -> str:
-        return " ".join([c.suite, c.size, c.variant, *sorted(c.tags)])
-
-    return [c for c in cases
-            if (not filters or any(f in text(c) for f in filters))
-            and not any(f in text(c) for f in excludes or ())]
-
-
 def run(args: argparse.Namespace) -> int:
-    if args.readme is not None and not args.table:
-        raise ValueError("--readme: goes with --table (the README is only rewritten when asked)")
-    if args.table:
-        refuse(args, {**SHARED, **RUN_ONLY}, "--table (it regenerates the README's table only)")
-        from .table import regenerate
-
-        readme, fresh = regenerate(args.readme)
-        print(f"{readme} benchmark table " + ("already up to date" if fresh else "rewritten"))
-        return 0
     if args.accuracy:
         refuse(args, RUN_ONLY, "--accuracy (fastspec compare)")
-        from .cli_compare import run as run_compare
+        from .compare import run as run_compare
 
         return run_compare(args)
 
@@ -132,9 +113,16 @@ def run(args: argparse.Namespace) -> int:
     check_run_flags(args)
     device, tier = resolve(args)
     deadline = deadline_of(args)
-    from .cases import cases
-    from .runner import TimeCap, capped, report, run_cases
-    from .table import BENCH_COLUMNS, bench_cells, bench_text, render_text
+    from ..bench.case import select
+    from ..bench.runner import TimeCap, capped, report, run_cases
+    from ..bench.suites import cases
+    from ..bench.table import (
+        BENCH_COLUMNS,
+        bench_cells,
+        bench_text,
+        claims_verdict,
+        render_text,
+    )
 
     if args.threads is not None:
         import torch
@@ -157,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
         doc["results"] = run_cases(
             selected, device, warmup=warmup, repeats=repeats, deadline=deadline, on_rows=save,
             progress=lambda c: print(f"  {c.suite} {c.id} ...", file=sys.stderr, flush=True))
+        verdict = claims_verdict(doc["results"])  # None: every measured case held its claim
         # a SIGTERM now finds every row saved already: the tables are all it can cut short
         with contextlib.suppress(TimeCap):
             if args.wide:
@@ -165,6 +154,8 @@ def run(args: argparse.Namespace) -> int:
                 print(bench_text(doc["results"]))
             if args.json:
                 write_json(args.json, doc)
+            if verdict is not None:
+                print(verdict)
     if capped(doc["results"]):
         print("time cap reached: partial results (cases not measured are marked skipped)", file=sys.stderr)
-    return 1 if any("error" in r for r in doc["results"]) else 0
+    return 1 if verdict is not None or any("error" in r for r in doc["results"]) else 0

@@ -28,7 +28,8 @@ call on those matrices. The reference, computed once per case setup: for fp32 in
 fp64 on CUDA, LAPACK on CPU); for fp64 inputs LAPACK fp64 through torch on CPU, the same
 precision as the input, so the numbers say how far each solver is from LAPACK (on CPU torch's
 fp64 path *is* that LAPACK call, and its error is 0). On CUDA the fp64 reference loops per matrix
-(~1 ms each): the subset keeps it under a second or two.
+(~1 ms each): the subset keeps it under a second or two. Claim (:func:`claim`): no worse than
+2 × torch's error, plus 8·eps_fp32 (fp32) or n·eps_fp64 (fp64).
 Rate: µs per matrix.
 
 The kernel's own build (``compile-n128-fp32``, ``compile-n128-fp64``, variant ``cache-hit``):
@@ -37,7 +38,8 @@ the first call's build of the CUDA kernel for one ``(n, dtype)`` with the disk c
 against the same build with an empty cache (NVRTC compiles it, then the same). On CPU there
 is no driver: the image is built for sm_90, compile and cache read only. Error: 0 when the
 cached image is the compiled one: byte for byte, or (NVRTC 13's float64 output differs from run
-to run in the operand order of commutative DFMAs) the same SASS opcodes, counted by cuobjdump.
+to run in the operand order of commutative DFMAs) the same SASS opcodes, counted by cuobjdump
+(:func:`fastspec.bench.cubin.same_code`); claim: 0.
 """
 from __future__ import annotations
 
@@ -48,8 +50,17 @@ import tempfile
 
 import torch
 
-from .anchors import make_anchors
-from .case import HEADLINE, Case, Inputs, max_rel_err
+from ..anchors import make_anchors
+from ..case import (
+    EPS64,
+    HEADLINE,
+    Case,
+    Inputs,
+    exactly_zero,
+    max_rel_err,
+    no_worse_than,
+)
+from ..cubin import same_code
 
 SIZES = {  # (batch, n, dtype)
     "quick": [(16, 32, torch.float32), (4, 64, torch.float32), (8, 32, torch.float64)],
@@ -116,12 +127,21 @@ def error_kind(batch: int, dtype: torch.dtype) -> str:
     return kind if count == batch else f"{kind}, first {count} of {batch} matrices"
 
 
+def claim(n: int, dtype: torch.dtype):
+    """No worse than 2 × torch in the same precision, plus a floor: 8·eps_fp32 for fp32, and for
+    fp64 the classical backward-stability bound n·eps_fp64 (as tests/test_eig_host.py): against
+    LAPACK fp64, which on CPU *is* torch (error 0), an fp32 floor would make the claim vacuous."""
+    if dtype == torch.float64:
+        return no_worse_than(floor=n * EPS64, floor_text=f"n·eps_fp64 (n = {n})")
+    return no_worse_than()
+
+
 def _variants(device: torch.device) -> list[tuple[str, str | None]]:
     """``auto`` plus every other available solver that can run on ``device`` (name, skip)."""
     import fastspec
 
     out: list[tuple[str, str | None]] = [("auto", None)]
-    for name, info in fastspec.backends().items():
+    for name, info in fastspec.solvers().items():
         if name in ("auto", "torch"):  # torch is the baseline itself
             continue
         if not info.get("available"):
@@ -171,7 +191,7 @@ def eigvalsh_cases(tier: str, device: torch.device) -> list[Case]:
 
         for variant, skip in _variants(device):
             def run(inp: Inputs, variant=variant) -> torch.Tensor:
-                return fastspec.eigvalsh(inp["A"], backend=variant)
+                return fastspec.eigvalsh(inp["A"], solver=variant)
 
             def check(inp: Inputs, run=run, refs=refs, whole=sliced == batch) -> dict:
                 ref = inp["ref"]
@@ -188,7 +208,7 @@ def eigvalsh_cases(tier: str, device: torch.device) -> list[Case]:
             out.append(Case(
                 suite="eigvalsh", size=f"B{batch}-n{n}-{DTYPE_NAMES[dtype]}", variant=variant,
                 setup=setup, fastspec=run, baselines=dict(baselines), check=check,
-                error_kind=error_kind(batch, dtype),
+                error_kind=error_kind(batch, dtype), claim=claim(n, dtype),
                 rate=("µs/matrix", lambda s, batch=batch: s / batch * 1e6),
                 skip=skip, notes=dict(notes), baseline_scale=dict(scale),
                 tags=frozenset({HEADLINE}) if (batch, n, dtype) in HEADLINE_SIZES[tier] else frozenset()))
@@ -212,27 +232,9 @@ def _cache_at(folder: str):
             os.environ["FASTSPEC_CACHE"] = old
 
 
-def _same_code(a: bytes, b: bytes) -> bool:
-    """Byte-identical images, or cubins with the same SASS opcodes (module docstring)."""
-    if a == b:
-        return True
-    from .sass import disassemble, find_tool, kernels
-
-    if find_tool("cuobjdump") is None or a[:4] != b"\x7fELF" or b[:4] != b"\x7fELF":
-        return False
-    ops = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, image in enumerate((a, b)):
-            path = os.path.join(tmp, f"{i}.cubin")
-            with open(path, "wb") as f:
-                f.write(image)
-            ops.append([k.full_ops for k in kernels(disassemble(path))])
-    return ops[0] == ops[1]
-
-
 def compile_cases(tier: str, device: torch.device) -> list[Case]:
     """The CUDA kernel's first-call build, cache warm vs cold (module docstring)."""
-    from ..eig import cuda, nvrtc
+    from fastspec.eig import cuda, nvrtc
 
     why = nvrtc.missing()
     skip = f"the CUDA kernel cannot be compiled here: {why}" if why else None
@@ -264,7 +266,7 @@ def compile_cases(tier: str, device: torch.device) -> list[Case]:
             return build(os.path.join(inp["root"], f"cold-{next(inp['cold'])}"))  # a new, empty cache each call
 
         def check(inp: Inputs, build=build, cold=cold) -> dict:
-            return {"fastspec_error": 0.0 if _same_code(build(inp["warm"]), cold(inp)) else 1.0,
+            return {"fastspec_error": 0.0 if same_code(build(inp["warm"]), cold(inp)) else 1.0,
                     "baseline_error": 0.0}
 
         def teardown(inp: Inputs) -> None:
@@ -275,5 +277,6 @@ def compile_cases(tier: str, device: torch.device) -> list[Case]:
             suite="eigvalsh", size=f"compile-n{n}-{DTYPE_NAMES[dtype]}", variant="cache-hit", setup=setup,
             fastspec=lambda inp, build=build: build(inp["warm"]), baselines={"nvrtc compile (empty cache)": cold},
             check=check, error_kind="cached image differs from a fresh compile (0: same code)",
+            claim=exactly_zero(),
             skip=skip, teardown=teardown))
     return out

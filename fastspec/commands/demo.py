@@ -1,4 +1,4 @@
-"""``fastspec demo`` command line (see :mod:`fastspec.demo`)."""
+"""``fastspec demo``: the flags of the QK-norm key-rank study and its run (:mod:`fastspec.demo`)."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +13,7 @@ QUICK = dict(d_model=64, layers=2, heads=4, kv_heads=2, seq_len=64, steps=8, bat
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from . import CONDITIONS
+    from ..demo import CONDITIONS
 
     p.add_argument("--out", type=Path, default=None,
                    help="run folder (default: ./fastspec_runs/<timestamp>)")
@@ -51,8 +51,8 @@ def config_from_args(args: argparse.Namespace):
     Every flag is checked here, before anything is written, the device included (available
     here?); a bad one raises ValueError whose message starts with the flag, e.g.
     ``"--heads: expected a divisor of d_model (64), got 3"``."""
-    from .models import ModelSize
-    from .train import DemoConfig, check_device
+    from ..demo.models import ModelSize
+    from ..demo.train import DemoConfig, check_device
 
     base = dict(QUICK) if args.quick else {}
     for name in ("layers", "d_model", "heads", "kv_heads", "d_ff", "seq_len", "steps", "batch_size", "lr",
@@ -76,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..cli import show_tracebacks
+    from ..demo.train import check_out_dir, run_demo
     from ..report import run_findings
-    from .train import check_out_dir, run_demo
 
     out = args.out or Path("fastspec_runs") / time.strftime("%Y%m%d-%H%M%S")
     try:  # user errors: one line on stderr, exit code 2, nothing written

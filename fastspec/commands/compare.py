@@ -1,6 +1,6 @@
 """``fastspec compare``: the accuracy side only — fastspec eigvalsh vs torch.linalg fp32 vs fp64.
 
-Random and hard matrix families (:data:`fastspec.eig.cases.FAMILIES`, the ones the solver's tests
+Random and hard matrix families (:data:`fastspec.eig.matrices.FAMILIES`, the ones the solver's tests
 use; see :mod:`fastspec.bench.accuracy`). The bound each (family, n, variant) must hold is
 :func:`fastspec.bench.accuracy.within_bound`: fastspec's error ≤ 2 × torch.linalg fp32's error
 + 8·eps_fp32, both relative to the fp64 spectrum. The table labels each row from the exact
@@ -20,17 +20,7 @@ import argparse
 import contextlib
 from pathlib import Path
 
-from .cli_common import (
-    TIERS,
-    add_time_limit,
-    check_flags,
-    deadline_of,
-    partial_json,
-    print_header,
-    resolve,
-    sigterm_as_time_cap,
-    write_json,
-)
+from . import _bench_common as common
 
 BOUND = ("Bound: each (family, n, variant) passes when fastspec's max relative eigenvalue error vs "
          "fp64 is at most 2 × torch.linalg.eigvalsh fp32's + 8·eps_fp32 (the floor keeps a baseline "
@@ -41,43 +31,48 @@ BOUND = ("Bound: each (family, n, variant) passes when fastspec's max relative e
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = BOUND
     p.add_argument("--quick", action="store_true", help="small sizes, well under a second on a CPU")
-    p.add_argument("--tier", choices=TIERS, help="size tier (default: gpu with CUDA, cpu otherwise)")
+    p.add_argument("--tier", choices=common.TIERS, help="size tier (default: gpu with CUDA, cpu otherwise)")
     # names checked when the command runs: listing them here would import torch for --help
     p.add_argument("--family", action="append", metavar="NAME",
-                   help="only this matrix family of fastspec.eig.cases.FAMILIES, e.g. wishart or "
+                   help="only this matrix family of fastspec.eig.matrices.FAMILIES, e.g. wishart or "
                         "wilkinson (repeatable; default: all; a wrong name lists them)")
     p.add_argument("--device", help="torch device: cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON to PATH")
-    add_time_limit(p)
+    common.add_time_limit(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    check_flags(args)
+    common.check_flags(args)
     families = getattr(args, "family", None)
     if families:
-        from ..eig.cases import FAMILIES
+        from ..eig.matrices import FAMILIES
 
         unknown = [f for f in families if f not in FAMILIES]
         if unknown:
             raise ValueError(f"--family: expected names from {', '.join(FAMILIES)}; got {', '.join(unknown)}")
         families = list(dict.fromkeys(families))
-    device, tier = resolve(args)
-    deadline = deadline_of(args)
-    from .accuracy import compare
-    from .runner import TimeCap, report
-    from .table import COMPARE_COLUMNS, compare_cells, compare_verdict, render_text
+    device, tier = common.resolve(args)
+    deadline = common.deadline_of(args)
+    from ..bench.accuracy import compare
+    from ..bench.runner import TimeCap, report
+    from ..bench.table import (
+        COMPARE_COLUMNS,
+        compare_cells,
+        compare_verdict,
+        render_text,
+    )
 
     doc = report("compare", tier, [])
-    print_header(doc["environment"], tier)
+    common.print_header(doc["environment"], tier)
 
-    save = partial_json(args.json, doc)  # rewritten after every (family, n)
-    with sigterm_as_time_cap():
+    save = common.partial_json(args.json, doc)  # rewritten after every (family, n)
+    with common.sigterm_as_time_cap():
         doc["results"] = compare(tier, device, families, deadline=deadline, on_rows=save)
         passed, line = compare_verdict(doc["results"])
         # a SIGTERM now finds every row saved already: only the printing is cut short
         with contextlib.suppress(TimeCap):
             print(render_text(COMPARE_COLUMNS, [compare_cells(r) for r in doc["results"]], right=("ratio",)))
             if args.json:
-                write_json(args.json, doc)
+                common.write_json(args.json, doc)
             print(line)
     return 0 if passed else 1

@@ -1,47 +1,32 @@
-"""Static evidence about compiled GPU kernels, without a GPU: ptxas resource lines and SASS.
+"""Static evidence about compiled GPU kernels, without a GPU: ptxas resource lines and SASS loops.
 
-What a kernel will cost can be read, in part, before it ever runs: how many registers it uses
-and whether it spills (``ptxas -v``, or ``cuobjdump -res-usage`` of the cubin), which memory instructions the
-compiler chose (``LDS``/``STS`` for shared memory vs generic ``LD``/``ST``), and how many
-instructions each loop iteration issues (``cuobjdump -sass``). The kernel headers' cost models
-(``fastspec/eig/csrc/eig_kernel.cu``, ``fastspec/covariance/triton_kernels.py``) are built from these counts,
-and the tests keep them honest (``tests/test_eig_sass.py``).
+A developer tool, not part of the installed package: the tests and the maintainers use it
+(``tests/test_eig_sass.py``, ``tests/test_covariance_triton.py``). What a kernel will cost can
+be read, in part, before it ever runs: how many registers it uses and whether it spills
+(``ptxas -v``, or ``cuobjdump -res-usage`` of the cubin), which memory instructions the compiler
+chose (``LDS``/``STS`` for shared memory vs generic ``LD``/``ST``), and how many instructions
+each loop iteration issues (``cuobjdump -sass``). The kernel headers' cost models
+(``fastspec/eig/csrc/eig_kernel.cu``, ``fastspec/covariance/triton_kernels.py``) are built from
+these counts, and the tests keep them honest.
 
-Tools are looked up in ``$CUDA_HOME/bin`` and on ``PATH`` first, then in the Triton wheel
-(``triton/backends/nvidia/bin`` ships ``ptxas``, ``cuobjdump`` and ``nvdisasm``).
+Finding the CUDA tools and listing a cubin's instructions is :mod:`fastspec.bench.cubin` (the
+benchmarks need it too); this module adds the loops, the opcode counts and the resource lines.
 
-Usage: ``python -m fastspec.bench.sass FILE.cubin [REGEX]`` prints, per kernel matching REGEX,
-its opcode counts and its innermost loops' instruction counts.
+Usage: ``python benchmarks/sass.py FILE.cubin [REGEX]`` prints, per kernel matching REGEX, its
+opcode counts and its innermost loops' instruction counts. From a test:
+``sys.path.insert(0, "<repo>/benchmarks"); import sass`` (as ``tests/test_eig_sass.py`` does).
 """
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
-__all__ = ["Kernel", "Loop", "find_tool", "parse_ptxas", "resource_usage", "disassemble", "kernels", "main"]
+from fastspec.bench.cubin import disassemble, find_tool, instructions
 
-
-def find_tool(name: str) -> str | None:
-    """Path of a CUDA binary tool (``nvcc``, ``cuobjdump``, ``nvdisasm``, ``ptxas``), or None:
-    ``$CUDA_HOME/bin``, ``$CUDA_PATH/bin``, ``PATH``, then the Triton wheel."""
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
-        if home and os.access(os.path.join(home, "bin", name), os.X_OK):
-            return os.path.join(home, "bin", name)
-    found = shutil.which(name)
-    if found:
-        return found
-    try:
-        import triton  # noqa: PLC0415 - optional, and slow to import
-    except ImportError:
-        return None
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-    return path if os.access(path, os.X_OK) else None
-
+__all__ = ["Kernel", "Loop", "disassemble", "find_tool", "kernels", "main", "parse_ptxas", "resource_usage"]
 
 _PTXAS_FN = re.compile(r"(?:Compiling entry function|Function properties for) '?([\w$.]+)'?")
 _PTXAS_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -83,11 +68,6 @@ def resource_usage(cubin: str) -> dict[str, dict[str, int]]:
             for m in _RES.finditer(text)}
 
 
-_FUNC = re.compile(r"^\s*Function : (\S+)")
-# "        /*0150*/                   @!P0 LDS.128 R4, [R2+0x10] ;"
-_INSN = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
-
-
 @dataclass
 class Loop:
     """Instructions from a backward branch's target to the branch itself (one iteration's code)."""
@@ -115,24 +95,10 @@ class Kernel:
                 if not any(o is not lp and lp.start <= o.start and o.end <= lp.end for o in self.loops)]
 
 
-def disassemble(cubin: str) -> str:
-    """``cuobjdump -sass`` of a cubin (or of an object/executable holding one)."""
-    tool = find_tool("cuobjdump")
-    if tool is None:
-        raise FileNotFoundError("cuobjdump: not on PATH and not in the Triton wheel")
-    return subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
-
-
 def kernels(sass: str) -> list[Kernel]:
     """Split a ``cuobjdump -sass`` listing into kernels with opcode counts and loops."""
     out: list[Kernel] = []
-    name, insns = None, []
-
-    def flush():
-        if name is None:
-            return
-        ops = Counter(op.split(".")[0] for _, op, _ in insns)
-        full = Counter(op for _, op, _ in insns)
+    for name, insns in instructions(sass).items():
         loops = []
         for a, op, args in insns:
             if op.split(".")[0] != "BRA":
@@ -145,25 +111,15 @@ def kernels(sass: str) -> list[Kernel]:
                 body = [o for (x, o, _) in insns if target <= x <= a]
                 loops.append(Loop(target, a, Counter(o.split(".")[0] for o in body), Counter(body)))
         loops.sort(key=lambda lp: (lp.start, -lp.end))
-        out.append(Kernel(name, ops, full, loops))
-
-    for line in sass.splitlines():
-        m = _FUNC.match(line)
-        if m:
-            flush()
-            name, insns = m.group(1), []
-            continue
-        m = _INSN.match(line)
-        if m and name is not None:
-            insns.append((int(m.group(1), 16), m.group(3), m.group(4)))
-    flush()
+        out.append(Kernel(name, Counter(op.split(".")[0] for _, op, _ in insns),
+                          Counter(op for _, op, _ in insns), loops))
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
-        print(__doc__.strip().splitlines()[-1].strip())
+        print("usage: python benchmarks/sass.py FILE.cubin [REGEX]", file=sys.stderr)
         return 2
     pattern = re.compile(argv[1] if len(argv) > 1 else ".")
     for k in kernels(disassemble(argv[0])):

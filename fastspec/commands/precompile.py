@@ -1,0 +1,76 @@
+"""``fastspec precompile``: compile the CUDA eigensolver ahead of time into the kernel cache.
+
+    fastspec precompile --arch 90 [--n 64 128 256] [--dtype float32 float64] [--jobs N]
+
+For a GPU that need not be here: a container image or a shared cluster cache built once, and the
+GPU kit (``benchmarks/gpu_run.py``), which fills its cache before its timed steps. The work is
+:func:`fastspec.eig.precompile.precompile`; ``python -m fastspec.eig.precompile`` runs this
+command too. A compute capability without a kernel plan, or a size out of range, is a usage error
+naming the flag; a machine where NVRTC cannot compile is a one-line error and exit status 1.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+DTYPES = ("float32", "float64")  # fastspec.eig.cuda.ITEMSIZE's keys, here so --help imports no torch
+
+
+def _arch(text: str) -> int:
+    """``--arch``: a compute capability the kernel has a plan for (checked at parse time)."""
+    from ..eig.cuda import DeviceSpec
+
+    try:
+        cc = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a compute capability such as 90, got {text!r}") from None
+    try:
+        DeviceSpec.for_arch(cc)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("cc: ")) from None
+    return cc
+
+
+def _size(text: str) -> int:
+    """``--n``: a matrix size the CUDA solver takes, 1 to its ``MAX_N``."""
+    from ..eig.cuda import MAX_N
+
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= MAX_N:
+        raise argparse.ArgumentTypeError(f"expected sizes in [1, {MAX_N}], got {text!r}")
+    return n
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--arch", type=_arch, required=True, help="compute capability, e.g. 90 for H100/H200")
+    p.add_argument("--n", type=_size, nargs="+", default=[64, 128, 256], help="matrix sizes (default 64 128 256)")
+    p.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=DTYPES)
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="parallel compiles (default: one per CPU core)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.jobs < 1:
+        raise ValueError(f"--jobs: expected an int >= 1, got {args.jobs}")
+    from ..eig import nvrtc
+    from ..eig.nvrtc import KernelUnavailable
+    from ..eig.precompile import precompile
+
+    try:
+        ver = nvrtc.version()
+        print(f"NVRTC {ver[0]}.{ver[1]}, cache {nvrtc.cache_dir()}, "
+              f"{len(args.dtype) * len(args.n)} variants for sm_{args.arch}")
+        t0 = time.perf_counter()
+        done = precompile(args.arch, args.n, args.dtype, args.jobs)
+    except KernelUnavailable as exc:
+        print(f"fastspec: {exc}", file=sys.stderr)
+        return 1
+    for tag, origin, seconds in done:
+        print(f"  {tag:<36} {origin:<6} {seconds * 1e3:8.1f} ms")
+    print(f"done in {time.perf_counter() - t0:.1f} s")
+    return 0

@@ -1,0 +1,66 @@
+"""``fastspec precompile`` (:mod:`fastspec.commands.precompile`): bad flags are one-line usage
+errors naming the flag, the work is the library's, and ``python -m fastspec.eig.precompile`` is
+the same command. (Every command's ``--help`` staying light is tests/test_imports.py; the other
+commands have their own test files.)"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from fastspec.cli import main
+from fastspec.eig import nvrtc
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--arch", "91"], "argument --arch: no shared-memory table for sm_91; known: ["),
+    (["--arch", "ninety"], "argument --arch: expected a compute capability such as 90, got 'ninety'"),
+    (["--arch", "90", "--n", "0"], "argument --n: expected sizes in [1, "),
+    (["--arch", "90", "--n", "64", "x"], "argument --n: expected sizes in [1, "),
+    (["--arch", "90", "--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
+])
+def test_bad_flags_are_usage_errors_naming_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["precompile", *argv])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err
+    assert err.splitlines()[-1].startswith(f"fastspec precompile: error: {message}"), err
+
+
+def test_jobs_below_one_is_refused_before_anything_compiles(capsys, monkeypatch):
+    import fastspec.eig.precompile as library
+
+    monkeypatch.setattr(library, "precompile", lambda *a, **kw: pytest.fail("compiled"))
+    assert main(["precompile", "--arch", "90", "--jobs", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err == "fastspec precompile: error: --jobs: expected an int >= 1, got 0\n"
+
+
+def test_dtype_choices_are_the_solvers_dtypes():
+    """The choices are a constant (``--help`` imports no torch); they must follow the solver."""
+    from fastspec.commands.precompile import DTYPES
+    from fastspec.eig.cuda import ITEMSIZE
+
+    assert DTYPES == tuple(sorted(ITEMSIZE))
+
+
+@pytest.mark.skipif(bool(nvrtc.missing()), reason=f"needs NVRTC: {nvrtc.missing()}")
+def test_precompile_fills_the_cache_and_the_module_runs_the_same_command(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path))
+    nvrtc.forget()
+    try:
+        assert main(["precompile", "--arch", "90", "--n", "32", "--dtype", "float32", "--jobs", "1"]) == 0
+    finally:
+        nvrtc.forget()
+    out = capsys.readouterr().out
+    assert f"cache {tmp_path / 'eig'}, 1 variants for sm_90" in out and "float32-n32" in out and "nvrtc" in out
+    assert len(list((tmp_path / "eig").iterdir())) == 1
+    # python -m fastspec.eig.precompile: the same command, now a cache hit
+    proc = subprocess.run([sys.executable, "-m", "fastspec.eig.precompile", "--arch", "90", "--n", "32",
+                           "--dtype", "float32", "--jobs", "1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "float32-n32" in proc.stdout and " disk " in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "fastspec.eig.precompile", "--arch", "91"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "fastspec precompile: error: argument --arch" in bad.stderr
