@@ -113,7 +113,7 @@ def test_gate_must_be_one_element_on_the_data_device():
         cov.update(torch.randn(5, 4), gate=torch.ones(2, dtype=torch.bool))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: on CPU the products are SciPy BLAS, which autocast never touches")
+@pytest.mark.gpu  # on CPU the products are SciPy BLAS, which autocast never touches
 def test_autocast_around_a_compiled_update_does_not_lower_the_products():
     """A compiled graph called under autocast runs the op with autocast still on: the blocked
     path's float32 bmm must not drop to bf16."""

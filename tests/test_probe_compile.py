@@ -84,6 +84,7 @@ def test_fullgraph_records_equal_eager(name):
     assert {k[0] for k in got} == {2, 5, 8}
 
 
+@pytest.mark.slow
 def test_varying_sequence_lengths_go_dynamic_once_and_equal_eager():
     """Batches of 8, 12, 16, 10 tokens: dynamo recompiles once with dynamic shapes (torch's
     own behaviour, probe or not), the capture ops take symbolic row counts, and the records
@@ -197,7 +198,7 @@ def test_untimed_captures_leave_calibration_steps_idle_with_a_budget():
     assert b._untimed_capture_s(1.2, True) == pytest.approx(0.2)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_outputs_and_gradients_bitwise_equal_with_and_without_the_probe(backend):
     """Keys, queries and FFN inputs are tensors the compiled model writes to memory anyway (the
     attention and down-projection inputs), so reading them changes nothing, Inductor included.
@@ -290,7 +291,7 @@ def test_nan_rows_masks_and_row_sampling_in_the_graph():
     assert got[(0, "b", None, None, "n")] == 3 * 5 - 1 - 1
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode, cuda_graphs", [(None, False), (None, True), ("reduce-overhead", True)])
 def test_cuda_compiled_and_cuda_graphs_equal_eager(mode, cuda_graphs):
     """Default mode with the gate on the host or on the GPU, and CUDA graphs (which need the

@@ -1,0 +1,51 @@
+"""pytest set-up shared by ``tests/`` and ``benchmarks/``: the two test tiers and the GPU marker.
+
+Tiers. ``python -m pytest -q`` runs the fast tier: every test except those marked ``slow``, so
+that every capability is still checked by at least one test in a few minutes on a 2-core CPU.
+``python -m pytest -q --full`` runs everything, the slow tests too; CI runs that (README.md).
+A run that names tests itself (``path::test``) or selects on ``slow`` with ``-m`` gets what it
+asked for.
+
+GPU. A test that needs a CUDA device is marked ``gpu`` (``pytest.mark.gpu``, or ``pytestmark``
+for a whole file) and nothing else: without CUDA it is skipped with one reason, and the GPU kit
+(``benchmarks/gpu_run.py``) selects the device tests with ``-m "gpu or triton"``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+FULL_FLAG = "--full"
+
+pytest_plugins = ["pytester"]  # tests/test_tiers.py runs this file on sample tests
+
+
+def pytest_addoption(parser):
+    parser.addoption(FULL_FLAG, action="store_true", default=False,
+                     help="run the full tier: the tests marked slow too (what CI runs)")
+
+
+def _tier_is_chosen_by_user(config) -> bool:
+    """The user picked tests by node id or selected on the ``slow`` marker: run what they named."""
+    return (any("::" in str(a) for a in config.args)
+            or "slow" in (config.getoption("markexpr", "") or ""))
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption(FULL_FLAG) and not _tier_is_chosen_by_user(config):
+        slow = [item for item in items if "slow" in item.keywords]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if "slow" not in item.keywords]
+            config._fastspec_slow_deselected = len(slow)
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    n = getattr(config, "_fastspec_slow_deselected", 0)
+    if n:
+        terminalreporter.write_line(f"fast tier: {n} slow tests deselected; `pytest {FULL_FLAG}` runs them")

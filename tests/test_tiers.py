@@ -1,0 +1,113 @@
+"""The test tiers and the GPU marker of the repository's conftest.py (README: which command runs which)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SAMPLE = """
+import pytest
+
+def test_fast():
+    pass
+
+@pytest.mark.slow
+def test_slow():
+    pass
+
+@pytest.mark.gpu
+def test_on_the_device():
+    import torch
+    assert torch.cuda.is_available()
+"""
+
+
+@pytest.fixture
+def sample(pytester):
+    pytester.makeconftest((ROOT / "conftest.py").read_text())
+    pytester.makeini("[pytest]\nmarkers =\n    slow: long\n    gpu: device\n")
+    pytester.makepyfile(test_sample=SAMPLE)
+    return pytester
+
+
+def _gpu_outcome() -> dict:
+    import torch
+    return {"passed": 1} if torch.cuda.is_available() else {"skipped": 1}
+
+
+def test_default_run_is_the_fast_tier(sample):
+    res = sample.runpytest("-p", "no:cacheprovider")
+    gpu = _gpu_outcome()
+    res.assert_outcomes(passed=1 + gpu.get("passed", 0), skipped=gpu.get("skipped", 0), deselected=1)
+    res.stdout.fnmatch_lines(["*1 slow tests deselected; `pytest --full` runs them*"])
+
+
+def test_full_runs_the_slow_tests_too(sample):
+    res = sample.runpytest("-p", "no:cacheprovider", "--full")
+    gpu = _gpu_outcome()
+    res.assert_outcomes(passed=2 + gpu.get("passed", 0), skipped=gpu.get("skipped", 0))
+
+
+@pytest.mark.parametrize("args", [["test_sample.py::test_slow"], ["-m", "slow"]])
+def test_naming_or_selecting_a_slow_test_runs_it(sample, args):
+    res = sample.runpytest("-p", "no:cacheprovider", *args)
+    res.assert_outcomes(passed=1)
+
+
+def test_gpu_tests_are_marked_one_way_and_slow_is_used():
+    """A GPU-only test is ``mark.gpu``, never its own ``skipif(not torch.cuda.is_available())``
+    (the GPU kit selects on the marker, and would miss it); the ``slow`` marker is in use."""
+    files = sorted((ROOT / "tests").glob("test_*.py")) + sorted((ROOT / "benchmarks").glob("bench_*.py"))
+    files = [f for f in files if f.name != Path(__file__).name]  # (its sample has both)
+    own_skip = re.compile(r"skipif\(\s*not torch\.cuda\.is_available\(\)")
+    assert not [f.name for f in files if own_skip.search(f.read_text())]
+    assert any("mark.slow" in f.read_text() for f in files)
+
+
+def test_ci_runs_the_full_tier():
+    """CI runs README's test command and the stages of .ci/run: each must ask for ``--full``."""
+    readme = (ROOT / "README.md").read_text().splitlines()
+    at = next(i for i, line in enumerate(readme) if "ci-test-command" in line)
+    command = readme[at + 2]  # the marker, the fence, the command (what .ci/run reads)
+    assert "pytest" in command and "--full" in command.split("pytest", 1)[1]
+    ci = (ROOT / ".ci" / "run").read_text()
+    pytest_lines = [line for line in ci.splitlines() if "-m pytest" in line]
+    assert pytest_lines and all("--full" in line for line in pytest_lines)
+
+
+def _bench_conftest():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_bench_conftest", ROOT / "benchmarks" / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Config:
+    def __init__(self, **options):
+        self.options = {"benchmark_disable": True, "benchmark_enable": False, "--full": False, **options}
+
+    def getoption(self, name):
+        return self.options[name]
+
+
+@pytest.mark.parametrize("options, env, expected", [
+    ({}, None, "quick"),                               # the fast tier checks at quick sizes
+    ({"--full": True}, None, "device"),                # CI: the device's own tier (cpu here)
+    ({"benchmark_enable": True}, None, "device"),      # timing: never the quick sizes unasked
+    ({"benchmark_disable": False}, None, "device"),
+    ({"--full": True}, "quick", "quick"),              # FASTSPEC_BENCH_TIER wins
+    ({}, "cpu", "cpu"),
+])
+def test_benchmark_size_tier_follows_the_test_tier(monkeypatch, options, env, expected):
+    from fastspec.bench.case import default_device, default_tier
+
+    if env is None:
+        monkeypatch.delenv("FASTSPEC_BENCH_TIER", raising=False)
+    else:
+        monkeypatch.setenv("FASTSPEC_BENCH_TIER", env)
+    tier, device = _bench_conftest().tier_and_device(_Config(**options))
+    assert tier == (default_tier(default_device()) if expected == "device" else expected)
