@@ -64,7 +64,7 @@ def _fake_cuda(shape, **kw):
 
 
 def test_auto_fallback_logs_once(monkeypatch, caplog):
-    monkeypatch.setattr(dispatch, "_fallback_logged", False)
+    monkeypatch.setattr(native, "_fallback_reasons", set())
     monkeypatch.setattr(native, "status", lambda solver: (False, "extension built without CUDA (test)"))
     with caplog.at_level(logging.WARNING, logger="fastspec"), FakeTensorMode():
         A = _fake_cuda((16, 128, 128))
@@ -74,6 +74,20 @@ def test_auto_fallback_logs_once(monkeypatch, caplog):
     lines = [r for r in caplog.records if r.name == "fastspec"]
     assert len(lines) == 1 and "built without CUDA (test)" in lines[0].getMessage()
     assert "torch.linalg.eigvalsh" in lines[0].getMessage()
+
+
+def test_only_an_explicit_cuda_solver_compiles_before_the_op(monkeypatch):
+    """``solver="cuda"`` prepares the kernel first, so a kernel that cannot be had raises; under
+    ``"auto"`` the op itself falls back to torch (test_eig_nvrtc), so nothing may raise before it."""
+    monkeypatch.setattr(native, "status", lambda solver: (True, "pretend"))
+    prepared = []
+    monkeypatch.setattr(dispatch, "_prepare_cuda", prepared.append)
+    with FakeTensorMode():
+        A = _fake_cuda((4, 64, 64))
+        fastspec.eigvalsh(A)
+        assert prepared == []
+        fastspec.eigvalsh(A, solver="cuda")
+        assert len(prepared) == 1 and prepared[0] is A
 
 
 def test_auto_choice(monkeypatch):

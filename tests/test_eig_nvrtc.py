@@ -311,6 +311,18 @@ def test_workspace_path_grid_and_buffer(fake_gpu):
 
 @needs_nvrtc
 @needs_ext
+@needs_nvrtc
+def test_forget_makes_the_next_prepare_load_the_kernel_again(fake_gpu):
+    """The compile benchmark's cold side (fastspec.bench.suites.eigvalsh) relies on it."""
+    drv = fake_gpu(64)
+    for _ in range(2):
+        cuda.prepare(64, torch.float32, 0)
+    assert len(drv.loaded) == 1
+    cuda.forget()
+    cuda.prepare(64, torch.float32, 0)
+    assert len(drv.loaded) == 2
+
+
 def test_old_driver_is_a_reason_not_a_crash(fake_gpu):
     fake_gpu(64, version=11080)
     with pytest.raises(nvrtc.KernelUnavailable, match="CUDA 12.0 or newer"):
@@ -364,7 +376,7 @@ def test_op_falls_back_to_torch_once_per_reason(monkeypatch, caplog):
         raise nvrtc.KernelUnavailable("NVRTC could not compile the eigensolver (test)")
 
     monkeypatch.setattr(cuda, "launch", broken)
-    monkeypatch.setattr(native, "_op_fallback_logged", [])
+    monkeypatch.setattr(native, "_fallback_reasons", set())
     A = torch.from_numpy(make_batch("spd", 16, 3)).float()
     with caplog.at_level(logging.WARNING, logger="fastspec"):
         for _ in range(3):

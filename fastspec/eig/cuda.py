@@ -155,11 +155,16 @@ def _binding_status() -> tuple[bool, str]:
 _binding: list[tuple[bool, str]] = []
 
 
-def status() -> tuple[bool, str]:
-    """``(available, reason)`` of the CUDA solver in this process (cheap after the first call)."""
+def _binding_ok() -> tuple[bool, str]:
+    """:func:`_binding_status`, asked once per process: ``(True, "NVRTC 13.0")`` or ``(False, why)``."""
     if not _binding:
         _binding.append(_binding_status())
-    ok, why = _binding[0]
+    return _binding[0]
+
+
+def status() -> tuple[bool, str]:
+    """``(available, reason)`` of the CUDA solver in this process (cheap after the first call)."""
+    ok, why = _binding_ok()
     if not ok:
         return False, why
     if not torch.cuda.is_available():
@@ -174,9 +179,11 @@ def build_info() -> dict[str, object]:
     info: dict[str, object] = {"compiler": None, "binding": None, "target": None, "cache": str(folder),
                                "cache_writable": _writable(folder),
                                "cached_kernels": len(list(folder.glob("eigvalsh-*"))) if folder.is_dir() else 0}
+    ok, compiler = _binding_ok()
+    if not ok:
+        info["reason"] = compiler
+        return info
     try:
-        _driver()
-        ver = nvrtc.version()
         archs = nvrtc.supported_archs()
     except KernelUnavailable as exc:
         info["reason"] = str(exc)
@@ -185,7 +192,7 @@ def build_info() -> dict[str, object]:
         binding = importlib.metadata.version("cuda-bindings")
     except importlib.metadata.PackageNotFoundError:  # importable, but not installed as a distribution
         binding = "?"
-    info["compiler"] = f"NVRTC {ver[0]}.{ver[1]}"
+    info["compiler"] = compiler
     info["binding"] = f"cuda-bindings {binding}"
     info["archs"] = archs
     if torch.cuda.is_available():
@@ -259,6 +266,13 @@ def device_index(device: torch.device | int) -> int:
     if isinstance(device, int):
         return device
     return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def forget() -> None:
+    """Drop the kernels loaded in this process: the next :func:`prepare` loads them again (after
+    :func:`nvrtc.forget`, from the disk cache or NVRTC), as a process's first call does."""
+    with _lock:
+        _loaded.clear()
 
 
 def prepare(n: int, dtype: torch.dtype | str, device: torch.device | int, batch: int = 1) -> tuple[_Loaded, Plan]:

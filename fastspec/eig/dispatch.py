@@ -32,7 +32,6 @@ zero-copy through ``torch.from_dlpack`` and come back as the input's type throug
 """
 from __future__ import annotations
 
-import logging
 import sys
 import warnings
 from collections.abc import Callable
@@ -45,9 +44,6 @@ from .nvrtc import KernelUnavailable
 from .reference import eigvalsh_reference
 
 SOLVERS = ("auto", "torch", "cuda", "host")
-
-log = logging.getLogger("fastspec")
-_fallback_logged = False
 
 
 # top-level module of an array type -> the module with its from_dlpack, where they differ
@@ -76,21 +72,13 @@ def _check(A: Tensor) -> None:
         raise ValueError(f"A: expected square matrices [..., n, n], got shape {list(A.shape)}")
 
 
-def _log_fallback_once(reason: str) -> None:
-    global _fallback_logged
-    if _fallback_logged or torch.compiler.is_compiling():
-        return
-    _fallback_logged = True
-    log.warning("fastspec.eigvalsh: CUDA eigensolver unavailable (%s); using torch.linalg.eigvalsh", reason)
-
-
 def _auto(A: Tensor) -> str:
     wants_grad = A.requires_grad and torch.is_grad_enabled()
     if A.device.type != "cuda" or A.dtype not in native.DTYPES or A.shape[-1] > limits.AUTO_MAX_N or wants_grad:
         return "torch"
     ok, reason = native.status("cuda")
     if not ok:
-        _log_fallback_once(reason)
+        native.log_fallback(reason)
         return "torch"
     return "cuda"
 
@@ -135,6 +123,7 @@ def _eigvalsh(A: Tensor, solver: str) -> Tensor:
         raise ValueError(f"solver: expected one of {SOLVERS}, got {solver!r}")
     if A.dtype in (torch.float16, torch.bfloat16):
         return _eigvalsh(A.float(), solver).to(A.dtype)
+    requested = solver
     if solver == "auto":
         solver = _auto(A)
     if solver == "torch":
@@ -153,7 +142,7 @@ def _eigvalsh(A: Tensor, solver: str) -> Tensor:
         raise RuntimeError(f"solver: {solver!r} unavailable here: {reason}")
     if n == 0 or A.numel() == 0:
         return A.new_empty(A.shape[:-1])
-    if solver == "cuda":
+    if requested == "cuda":  # not for "auto": the op then falls back to torch (native.cuda_eigvalsh)
         _prepare_cuda(A)
     return torch.ops.fastspec.eigvalsh(A)
 

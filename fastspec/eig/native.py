@@ -45,7 +45,7 @@ _ext, _EXT_ERROR = _load_host()
 DTYPES = (torch.float32, torch.float64)
 
 log = logging.getLogger("fastspec")
-_op_fallback_logged: list[str] = []
+_fallback_reasons: set[str] = set()
 
 
 def status(solver: str) -> tuple[bool, str]:
@@ -56,6 +56,16 @@ def status(solver: str) -> tuple[bool, str]:
         return False, _EXT_ERROR
     return True, ("host twin of the CUDA solver (fastspec/eig/csrc/eig_core.h, serial), float32/float64 CPU tensors, "
                   f"n <= {limits.MAX_N}")
+
+
+def log_fallback(reason: str) -> None:
+    """Say on the ``fastspec`` logger, once per reason, that ``"auto"`` solves with torch because
+    the CUDA kernel cannot be had (``dispatch`` before the op, :func:`cuda_eigvalsh` inside it);
+    never while dynamo traces, where a log call would break the graph."""
+    if reason in _fallback_reasons or torch.compiler.is_compiling():
+        return
+    _fallback_reasons.add(reason)
+    log.warning("fastspec.eigvalsh: CUDA eigensolver unavailable (%s); using torch.linalg.eigvalsh", reason)
 
 
 def _require(solver: str) -> None:
@@ -102,11 +112,7 @@ def cuda_eigvalsh(A: Tensor) -> Tensor:
         try:
             _cuda.launch(A3, out)
         except KernelUnavailable as exc:
-            reason = str(exc)
-            if reason not in _op_fallback_logged:
-                _op_fallback_logged.append(reason)
-                log.warning("fastspec.eigvalsh: CUDA eigensolver unavailable (%s); using torch.linalg.eigvalsh",
-                            reason)
+            log_fallback(str(exc))
             out.copy_(eigvalsh_reference(A3))
     return out.reshape(A.shape[:-1])
 

@@ -206,9 +206,10 @@ def _options(variant: Variant, target: Target, extra: tuple[str, ...]) -> list[s
     return [target.option, *OPTIONS, *limits.defines(), *variant.defines(), *extra]
 
 
-def _key(variant: Variant, target: Target, nvrtc_version: tuple[int, int], extra: tuple[str, ...]) -> str:
+def _key(src: dict[str, str], variant: Variant, target: Target, nvrtc_version: tuple[int, int],
+         extra: tuple[str, ...]) -> str:
     h = hashlib.sha256(FORMAT)
-    for name, text in sorted(sources().items()):
+    for name, text in sorted(src.items()):
         h.update(f"\0{name}\0{len(text)}\0".encode() + text.encode())
     h.update(repr((nvrtc_version, _options(variant, target, extra))).encode())
     return h.hexdigest()[:24]
@@ -253,11 +254,10 @@ def _warn_unwritable(folder: Path, exc: OSError) -> None:
 # --- compiling ---------------------------------------------------------------------------------
 
 
-def _compile(variant: Variant, target: Target, extra: tuple[str, ...]) -> tuple[bytes, str]:
-    """NVRTC: the sources -> (cubin or PTX, log). KernelUnavailable on a compile error, with the
-    log written to a file the message names."""
+def _compile(src: dict[str, str], variant: Variant, target: Target, extra: tuple[str, ...]) -> tuple[bytes, str]:
+    """NVRTC: the sources ``src`` (:func:`sources`) -> (cubin or PTX, log). KernelUnavailable on a
+    compile error, with the log written to a file the message names."""
     nvrtc = _nvrtc()
-    src = sources()
     prog = _call(nvrtc.nvrtcCreateProgram(src[KERNEL_SOURCE].encode(), KERNEL_SOURCE.encode(), 1,
                                           [src[CORE_HEADER].encode()], [CORE_HEADER.encode()]), "create program")
     try:
@@ -299,7 +299,8 @@ def compile_variant(variant: Variant, target: Target, extra_options: tuple[str, 
     """The image for ``variant`` on ``target``: from this process, from the disk cache, or compiled
     now (and cached). Thread-safe. KernelUnavailable when NVRTC is missing or the compile fails."""
     ver = version()
-    key = _key(variant, target, ver, tuple(extra_options))
+    src = sources()  # read once: what the key hashes is what a miss compiles
+    key = _key(src, variant, target, ver, tuple(extra_options))
     with _lock:
         if key in _memory:
             img = _memory[key]
@@ -317,7 +318,7 @@ def compile_variant(variant: Variant, target: Target, extra_options: tuple[str, 
             img = Image(variant, target, payload, "disk", time.perf_counter() - t0, path)
         else:
             t0 = time.perf_counter()
-            data, text = _compile(variant, target, tuple(extra_options))
+            data, text = _compile(src, variant, target, tuple(extra_options))
             seconds = time.perf_counter() - t0
             try:
                 _write_atomic(path, _frame(data))

@@ -44,6 +44,7 @@ to run in the operand order of commutative DFMAs) the same SASS opcodes, counted
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import tempfile
@@ -245,13 +246,13 @@ def compile_cases(tier: str, device: torch.device) -> list[Case]:
         def build(folder: str, n=n, name=name) -> bytes:
             """One first-call build with the cache in ``folder``; the image's bytes."""
             nvrtc.forget()
+            cuda.forget()
             with _cache_at(folder):
                 if device.type == "cuda":
                     index = cuda.device_index(device)
+                    cuda.prepare(n, name, index)
                     spec = cuda.DeviceSpec.of_device(index)
                     target = nvrtc.choose_target(spec.cc)
-                    cuda._loaded.pop((cuda.variant_for(n, name, spec), target.arch), None)
-                    cuda.prepare(n, name, index)
                 else:
                     spec, target = cuda.DeviceSpec.for_arch(90), nvrtc.Target(90)
                 return nvrtc.compile_variant(cuda.variant_for(n, name, spec), target).data
@@ -260,7 +261,7 @@ def compile_cases(tier: str, device: torch.device) -> list[Case]:
             root = tempfile.mkdtemp(prefix="fastspec-compile-bench-")
             warm = os.path.join(root, "warm")
             build(warm)  # the cached side's image, compiled once
-            return {"root": root, "warm": warm, "cold": iter(range(10**9))}
+            return {"root": root, "warm": warm, "cold": itertools.count()}
 
         def cold(inp: Inputs, build=build) -> bytes:
             return build(os.path.join(inp["root"], f"cold-{next(inp['cold'])}"))  # a new, empty cache each call
