@@ -19,12 +19,11 @@ opcode counts and its innermost loops' instruction counts. From a test:
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
-from fastspec.bench.cubin import disassemble, find_tool, instructions
+from fastspec.bench.cubin import cuobjdump, disassemble, find_tool, instructions
 
 __all__ = ["Kernel", "Loop", "disassemble", "find_tool", "kernels", "main", "parse_ptxas", "resource_usage"]
 
@@ -60,10 +59,7 @@ _RES = re.compile(r"Function ([\w$.]+):\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOC
 def resource_usage(cubin: str) -> dict[str, dict[str, int]]:
     """``cuobjdump -res-usage`` of a cubin -> ``{kernel: {registers, stack, shared, local}}``;
     spills show as stack (and local) bytes."""
-    tool = find_tool("cuobjdump")
-    if tool is None:
-        raise FileNotFoundError("cuobjdump: not on PATH and not in the Triton wheel")
-    text = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
+    text = cuobjdump(cubin, "-res-usage")
     return {m.group(1): dict(zip(("registers", "stack", "shared", "local"), map(int, m.groups()[1:])))
             for m in _RES.finditer(text)}
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,22 +21,10 @@ from fastspec.bench.table import (
     speedup_text,
     time_ratio_band,
 )
+from benchmarks.readme_table import BEGIN, END, load_results, main, readme_block, splice, update_readme
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-sys.path.insert(0, str(ROOT / "benchmarks"))
-try:
-    from readme_table import (
-        BEGIN,
-        END,
-        load_results,
-        main,
-        readme_block,
-        splice,
-        update_readme,
-    )
-finally:
-    sys.path.remove(str(ROOT / "benchmarks"))
 
 
 def test_readme_table_matches_result_files():

@@ -11,19 +11,10 @@ division's slow path or a serialized update loop fails.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
+from benchmarks.sass import disassemble, find_tool, kernels, resource_usage  # a maintainer's tool
 from fastspec.eig import cuda, nvrtc
-
-TOOLS = str(Path(__file__).resolve().parents[1] / "benchmarks")
-sys.path.insert(0, TOOLS)
-try:
-    from sass import disassemble, find_tool, kernels, resource_usage
-finally:
-    sys.path.remove(TOOLS)
 
 CUOBJDUMP = find_tool("cuobjdump")
 

@@ -38,12 +38,17 @@ def find_tool(name: str) -> str | None:
     return path if os.access(path, os.X_OK) else None
 
 
-def disassemble(cubin: str) -> str:
-    """``cuobjdump -sass`` of a cubin (or of an object/executable holding one)."""
+def cuobjdump(cubin: str, flag: str) -> str:
+    """``cuobjdump FLAG CUBIN``'s output (a cubin, or an object/executable holding one)."""
     tool = find_tool("cuobjdump")
     if tool is None:
         raise FileNotFoundError("cuobjdump: not on PATH and not in the Triton wheel")
-    return subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    return subprocess.run([tool, flag, cubin], capture_output=True, text=True, check=True).stdout
+
+
+def disassemble(cubin: str) -> str:
+    """``cuobjdump -sass`` of a cubin (or of an object/executable holding one)."""
+    return cuobjdump(cubin, "-sass")
 
 
 _FUNC = re.compile(r"^\s*Function : (\S+)")

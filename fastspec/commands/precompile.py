@@ -15,6 +15,8 @@ import os
 import sys
 import time
 
+from .. import _args
+
 DTYPES = ("float32", "float64")  # fastspec.eig.cuda.ITEMSIZE's keys, here so --help imports no torch
 
 
@@ -55,8 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.jobs < 1:
-        raise ValueError(f"--jobs: expected an int >= 1, got {args.jobs}")
+    _args.integer("--jobs", args.jobs, minimum=1)
     from ..eig import nvrtc
     from ..eig.nvrtc import KernelUnavailable
     from ..eig.precompile import precompile
