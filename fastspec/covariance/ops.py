@@ -42,11 +42,17 @@ their mutation; the update allocates its temporaries afresh while a stream is be
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
 from . import blocked
 from .policy import UpdateSettings, update_plan
+
+# the op's (precision, backend) strings -> their checked UpdateSettings: an update pays a dict
+# lookup, not a dataclass and two checks (a bad pair raises each time: exceptions are not cached)
+_settings = functools.lru_cache(maxsize=None)(UpdateSettings)
 
 __all__ = ["chan_merge", "covariance_update", "covariance_update_op", "fold_gate", "merge_sums"]
 
@@ -136,8 +142,8 @@ def covariance_update(n: Tensor, rejected: Tensor, first: Tensor, second: Tensor
             covariance_update(n, rejected, first, second, x, mask, None, row_step, track_mean, precision, backend)
         return
     st = _state(n, rejected, first, second, track_mean)
-    # rebuilt from the strings, which checks them again: the op can also be called directly
-    plan = update_plan(UpdateSettings(precision, backend), track_mean, x)
+    # rebuilt from the strings, which checks them (the op can also be called directly), once per pair
+    plan = update_plan(_settings(precision, backend), track_mean, x)
     if plan.backend == "triton":
         from .triton_update import covariance_partials_triton
 

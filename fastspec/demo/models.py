@@ -47,8 +47,7 @@ def build_model(condition: str, size: ModelSize, vocab_size: int, seed: int) -> 
         Qwen3ForCausalLM,
     )
 
-    if condition not in CONDITIONS:
-        raise ValueError(f"condition: expected one of {CONDITIONS}, got {condition!r}")
+    _args.choice("condition", condition, CONDITIONS)
     common = dict(vocab_size=vocab_size, hidden_size=size.d_model, intermediate_size=size.d_ff,
                   num_hidden_layers=size.layers, num_attention_heads=size.heads,
                   num_key_value_heads=size.kv_heads, head_dim=size.d_model // size.heads,

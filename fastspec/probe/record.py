@@ -70,6 +70,7 @@ INT_FIELDS = ("step", "tokens_seen", "layer", "head_index")
 #: names older files use for a field -> the field (``head`` became ``head_index``: as a
 #: DataFrame column it hid ``DataFrame.head``)
 LEGACY_NAMES = {"head": "head_index"}
+_FIELD_SET = frozenset(FIELDS)
 
 
 def conform(names: Iterable[str]) -> tuple[dict[str, str], list[str]]:
@@ -102,6 +103,8 @@ def normalize(record) -> dict:
         row = dict(record)
     else:
         raise TypeError(f"records: expected Record objects or dicts, got {type(record).__name__}")
+    if row.keys() >= _FIELD_SET:  # every field there (a file of as_dict rows): nothing to rename or fill
+        return row
     renames, absent = conform(row)
     for old, new in renames.items():
         row[new] = row.pop(old)
