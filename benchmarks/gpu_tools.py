@@ -164,7 +164,11 @@ def _tool_argv(tool: str, mode: str, names: list[str] | None) -> list[str]:
         (name,) = names
         return ["ncu", "--set", "full", "--clock-control", "none", "--kernel-name", f"regex:{KERNELS[name]}",
                 "--launch-skip", "2", "--launch-count", "1", sys.executable, me, "target", name]
-    base = ["compute-sanitizer", "--tool", mode, "--error-exitcode", str(SANITIZER_FINDING)]
+    # --report-api-errors no: a failed host API call is no kernel memory error; on the first GPU run
+    # (H200, 2026-11-26) every one of memcheck's 34 "errors" was cuda-bindings probing driver entry
+    # points with cuGetProcAddress (CUDA_ERROR_INVALID_VALUE) while it loaded, none in a kernel
+    base = ["compute-sanitizer", "--tool", mode, "--report-api-errors", "no",
+            "--error-exitcode", str(SANITIZER_FINDING)]
     if names is None:
         return base + [sys.executable, "-c", TINY]
     return base + [sys.executable, me, "target", *names, "--small"]

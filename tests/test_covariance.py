@@ -290,6 +290,23 @@ def test_to_moves_the_state():
     assert empty.n.item() == 3
 
 
+def test_device_without_an_index_accepts_the_tensors_it_makes():
+    # found on the first GPU run: Covariance(device="cuda") lived on "cuda" while its inputs
+    # were on "cuda:0", and every update was refused. "cpu:0" vs "cpu" is the same mismatch on
+    # a machine without a GPU: the device is kept as the tensors report it
+    x = torch.randn(5, 6, 3)
+    for make in (lambda: fastspec.Covariance(3, device="cpu:0"),
+                 lambda: fastspec.Covariance(3).to(torch.device("cpu", 0)),
+                 lambda: fastspec.Covariance(3).allocate("cpu:0")):
+        cov = make()
+        assert cov.device == x.device == torch.device("cpu")
+        cov.update(x).allocate("cpu:0")  # an existing state on the same device passes
+        assert cov.n.item() == 30
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device: cuda is not usable here"):
+            fastspec.Covariance(3, device="cuda")
+
+
 def test_constructor_arguments_name_the_argument_and_take_numpy_ints():
     np = pytest.importorskip("numpy")
     for dim in (16.0, True, -3, 0, (4, 2.0), (4, False), (), "8", None, np.float32(4)):

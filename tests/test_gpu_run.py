@@ -380,6 +380,15 @@ def test_a_probe_must_show_the_tool_working():
     assert not gpu_tools.probe_ok("compute-sanitizer", 1, "========= ERROR SUMMARY: 0 errors")
 
 
+def test_the_sanitizer_counts_kernel_errors_not_host_api_errors():
+    # the H200 run's memcheck failed on 34 cuGetProcAddress API errors of cuda-bindings' loader
+    for mode in ("memcheck", "racecheck"):
+        for names in (None, ["eig", "cov"]):
+            argv = gpu_tools._tool_argv("compute-sanitizer", mode, names)
+            i = argv.index("--report-api-errors")
+            assert argv[i + 1] == "no" and argv.index("--tool") < i < argv.index(sys.executable)
+
+
 @pytest.mark.parametrize("command", ["ncu", pytest.param("sanitize", marks=pytest.mark.slow)])
 def test_a_missing_tool_is_skipped_and_its_targets_still_rehearsed(command, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PATH", str(tmp_path))  # nothing on it: the tool is missing

@@ -51,11 +51,17 @@ def _shape_arg(dim: Any) -> tuple[int, ...]:
 
 
 def _device_arg(device: Any) -> torch.device:
+    """``device`` as the device its tensors report: ``'cuda'`` is ``cuda:<current>``, ``'cpu:0'``
+    is ``cpu``, so a later ``x.device != self.device`` compares like with like."""
     try:
-        return torch.device(device)
+        device = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
         raise ValueError(f"device: expected a torch.device or a device string such as 'cpu' or "
                          f"'cuda:0', got {device!r}") from None
+    try:  # an empty tensor allocates nothing; torch resolves the index (or drops cpu's) for us
+        return torch.empty(0, device=device).device
+    except (RuntimeError, AssertionError) as e:  # AssertionError: a torch built without CUDA
+        raise ValueError(f"device: {device} is not usable here ({str(e).splitlines()[0]})") from None
 
 
 def spectra(mat: Tensor, convention: str, *, dtype: torch.dtype | None = None) -> Tensor:
