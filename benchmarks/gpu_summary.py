@@ -10,8 +10,8 @@
   there (another command's, copied in) is merged too, a case measured again replacing its rows.
 * Prints one line per result row (times, speedup, throughput or share of the copy's bandwidth,
   errors and a broken accuracy claim, or why it was skipped), the accuracy summary of
-  ``compare.json``, the tools' verdicts from ``tools.txt`` and pytest's closing line from
-  ``tests.txt``.
+  ``compare.json``, the tools' verdicts from ``tools.txt``, the accuracy rows and timing lines
+  of ``diag.txt`` (``gpu_diag.py``) and pytest's closing line from ``tests.txt``.
 """
 from __future__ import annotations
 
@@ -108,6 +108,9 @@ def row_line(r: dict) -> str:
     return line
 
 
+DIAG_LINE = r"^(case |raw |split |not run|cov-call|  partials|  Covariance|measure:|train step:|[\w-]+: (ERROR|not run))"
+
+
 def summary(out: Path, bench: dict | None) -> list[str]:
     lines = ["", "===== summary"]
     if bench is not None:
@@ -129,6 +132,11 @@ def summary(out: Path, bench: dict | None) -> list[str]:
     if tools.exists():  # each tool's verdict lines: "<tool> <mode> <targets>: ok|finding|skipped..."
         lines += [ln for ln in tools.read_text(errors="replace").splitlines()
                   if re.match(r"^(ncu|compute-sanitizer)\b[^:]*: (ok|finding|skipped|targets FAILED)", ln)]
+    diag = out / "diag.txt"
+    if diag.exists():  # gpu_diag.py: the accuracy sweep's rows and the profile's timing lines,
+        # not torch.profiler's tables (those stay in diag.txt)
+        lines += [ln for ln in diag.read_text(errors="replace").splitlines()
+                  if re.match(DIAG_LINE, ln)]
     tests = out / "tests.txt"
     if tests.exists():  # pytest's closing line of each tests step
         lines += [f"tests: {ln.strip('= ')}" for ln in tests.read_text().splitlines() if PYTEST_CLOSING.match(ln)]

@@ -74,9 +74,9 @@ def _errors(p, truth, center: bool):
     return ((a1 - t1).norm() / scale1).item(), ((a2 - t2).norm() / t2.norm()).item()
 
 
-def check_against_fp64(x, mask=None, row_step=1, center=True, split=None):
+def check_against_fp64(x, mask=None, row_step=1, center=True, split=None, **launch):
     """Run kernel and torch reference; both vs fp64 truth on the same (possibly low-precision) x."""
-    got = kernel(x, mask, row_step, center, split=split)
+    got = kernel(x, mask, row_step, center, split=split, **launch)
     ref = reference(x, mask, row_step, center)
     truth = reference(x.double(), mask, row_step, center)
     assert got.n.dtype == got.rejected.dtype == torch.int64
@@ -186,6 +186,29 @@ def test_means_near_the_spread(dtype):
     x = torch.randn(1, 1024, 1, D, device=DEVICE) * torch.linspace(0.05, 2, D, device=DEVICE) \
         + torch.linspace(-4, 4, D, device=DEVICE)
     check_against_fp64(x.to(dtype), center=True, split=1)
+
+
+@pytest.mark.parametrize("acc", [1, 2])
+@pytest.mark.parametrize("D", [64, 200], ids=["fused", "tiled"])
+@pytest.mark.parametrize("center", [True, False], ids=["centered", "raw"])
+def test_the_diagnostic_accumulations_compute_the_same_sums(acc, D, center):
+    # benchmarks/gpu_diag.py compares on a GPU where a block's products are summed (_gram_dot's
+    # ACC: 1 = the split's corrections, 2 = the whole block, in a per-block tile); each mode must
+    # still give the partials, within the same fp64-tied bound, split and tiled alike
+    x = torch.randn(1, 96, 2, D, device=DEVICE) * torch.linspace(0.1, 2, D, device=DEVICE) \
+        + torch.linspace(-3, 3, D, device=DEVICE)
+    check_against_fp64(x.to(torch.float16), center=center, split=2, acc=acc)
+
+
+def test_a_launch_configuration_can_be_given_and_acc_is_checked():
+    x = torch.randn(2, 40, 2, 64, device=DEVICE).to(torch.float16)
+    cfg = tu.launch_config(80, 2, 64, torch.device(DEVICE), 2, None, False)._replace(BT=16, num_warps=4,
+                                                                                       rows_per_split=48, split=2)
+    got = check_against_fp64(x, center=False, config=cfg)
+    assert got.n.tolist() == [80, 80]
+    for bad in (3, -1, True, 1.0):
+        with pytest.raises(ValueError, match="acc"):
+            kernel(x, center=False, acc=bad)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DT_ID.get)
@@ -534,7 +557,7 @@ def sass_stats(cubin):
 out = {}
 for dt, center, D, ntile in [("bf16", True, 128, 1), ("fp16", False, 2048, 16), ("fp32", True, 128, 1)]:
     consts = dict(HAS_MASK=True, FUSED_STATUS=ntile == 1, CENTER=center, SPLIT_BF16=center and dt != "fp32",
-                  UPCAST=False, PRECISION="ieee", NTILE=ntile, TK_GE_BT=True, BT=32 if dt != "fp32" else 16,
+                  UPCAST=False, PRECISION="ieee", ACC=0, NTILE=ntile, TK_GE_BT=True, BT=32 if dt != "fp32" else 16,
                   BD=128)
     code = build(K._cov_partials_kernel, {"p_x": "*" + dt, **ptrs}, consts, 8).asm["ptx"]
     out[dt] = {"wgmma": code.count("wgmma.mma_async"), "tf32": code.count("tf32")}
@@ -542,7 +565,7 @@ for dt, center, D, ntile in [("bf16", True, 128, 1), ("fp16", False, 2048, 16), 
 for center in (False, True):
     cfg = tu.launch_config(8 * 2048, 8, 128, torch.device("cpu"), 2, split=16, center=center)
     consts = dict(HAS_MASK=True, FUSED_STATUS=True, CENTER=center, SPLIT_BF16=center, UPCAST=False,
-                  PRECISION="ieee", NTILE=cfg.NTILE, TK_GE_BT=True, BT=cfg.BT, BD=cfg.BD)
+                  PRECISION="ieee", ACC=0, NTILE=cfg.NTILE, TK_GE_BT=True, BT=cfg.BT, BD=cfg.BD)
     k = build(K._cov_partials_kernel, {"p_x": "*bf16", **ptrs}, consts, cfg.num_warps, cfg.num_stages, True)
     out["keys", center] = sass_stats(k.asm["cubin"])
 build(K._center_kernel, {"p_x": "*bf16", **ptrs}, dict(HAS_MASK=True, ROUND_TO_INPUT=True, NC=64, BD=64), 4)

@@ -78,10 +78,14 @@ Byte/flop arithmetic (H100 SXM: ~3.35 TB/s HBM, ~990 TFLOP/s dense bf16; H200: 4
   of every row (64 flop/byte per 64-row block), i.e. ~17 GB of mostly-L2 traffic: expect it to
   be L2 bound near 2-3 ms uncentered; larger tiles / TMA / a persistent schedule are the next
   step if FFN probes need to be cheaper. The row-validity pre-pass adds one 268 MB read.
-* Targets (>= 80 % of HBM bandwidth on the key case, >= 3× the torch per-head matmul path) are
-  NOT measured: no GPU was available while writing this; the code is tested on CPU under
-  ``TRITON_INTERPRET=1`` and compiled for sm_90 (no GPU needed) in the test suite, which also
-  bounds the SASS counts the cost model is built on.
+* Targets: >= 80 % of HBM bandwidth on the key case, >= 3× the torch per-head matmul path.
+  MEASURED on one H200 (2026-11-26, Triton 3.6; docs/kernels.md, "Measured on a GPU"): the
+  uncentered keys kernel ran 18.8 µs under Nsight Compute (1.9 TB/s, 40 % of HBM; prediction
+  12.5 µs). 192 registers allow one 8-warp program per SM, and the shared-memory stores of the
+  pipeline have 5.8-way bank conflicts. A whole call took 152 µs, event-timed: the launcher's
+  host work, not the kernel. The FFN case ran 22.4 ms (prediction 2-3 ms). On that GPU, fp16
+  uncentered at D = 128 was 1.7 % off, and the centered split was 30-60× less accurate than torch
+  fp32 (see ``benchmarks/gpu_diag.py``). The interpreter passes both.
 """
 from __future__ import annotations
 
@@ -217,12 +221,20 @@ def _round_to_bf16(b_f):
 
 
 @triton.jit
-def _gram_dot(b_a, b_b, b_acc, SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _gram_dot(b_a, b_b, b_acc, SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+              ACC: tl.constexpr):
     """b_acc += b_aᵀ b_b, b_a: [BT, BM], b_b: [BT, BN] (zeros in invalid rows/columns).
 
     SPLIT_BF16: the fp32 blocks are split hi + lo in bf16 (16 significant bits) and the four
     bf16 products summed, so every d that needs <= 16 bits is multiplied exactly.
     UPCAST (interpreter): bf16/fp16 operands go through fp32, where their products are exact.
+    ACC (diagnostics, ``benchmarks/gpu_diag.py accuracy``; 0 everywhere else): where the block's
+    products are summed. 0: every dot accumulates into ``b_acc`` (the tensor core's own
+    accumulation). 1: the split's three correction dots go to a per-block accumulator that is
+    added to ``b_acc`` by an fp32 add. 2: the whole block is summed in a per-block accumulator
+    and added to ``b_acc`` by an fp32 add. 1 and 2 hold a second [BM, BN] fp32 tile (they spill
+    at BD = 128); they exist to find out on a GPU whether the accumulation inside the matrix
+    instructions is what costs the split its accuracy there.
     """
     if SPLIT_BF16:
         b_ah = _round_to_bf16(b_a)
@@ -232,15 +244,28 @@ def _gram_dot(b_a, b_b, b_acc, SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr, P
         if not UPCAST:  # exact: the values are bf16 already
             b_ah, b_bh = b_ah.to(tl.bfloat16), b_bh.to(tl.bfloat16)
             b_al, b_bl = b_al.to(tl.bfloat16), b_bl.to(tl.bfloat16)
-        b_acc = tl.dot(tl.trans(b_ah), b_bh, b_acc, input_precision=PRECISION)
-        b_acc = tl.dot(tl.trans(b_ah), b_bl, b_acc, input_precision=PRECISION)
-        b_acc = tl.dot(tl.trans(b_al), b_bh, b_acc, input_precision=PRECISION)
-        # lo·lo is ~2^-18 of d·d but of one sign on the diagonal: dropping it biases G
-        b_acc = tl.dot(tl.trans(b_al), b_bl, b_acc, input_precision=PRECISION)
+        if ACC == 0:
+            b_acc = tl.dot(tl.trans(b_ah), b_bh, b_acc, input_precision=PRECISION)
+            b_acc = tl.dot(tl.trans(b_ah), b_bl, b_acc, input_precision=PRECISION)
+            b_acc = tl.dot(tl.trans(b_al), b_bh, b_acc, input_precision=PRECISION)
+            # lo·lo is ~2^-18 of d·d but of one sign on the diagonal: dropping it biases G
+            b_acc = tl.dot(tl.trans(b_al), b_bl, b_acc, input_precision=PRECISION)
+        else:
+            b_blk = tl.dot(tl.trans(b_ah), b_bl, input_precision=PRECISION)
+            b_blk = tl.dot(tl.trans(b_al), b_bh, b_blk, input_precision=PRECISION)
+            b_blk = tl.dot(tl.trans(b_al), b_bl, b_blk, input_precision=PRECISION)
+            if ACC == 1:
+                b_acc = tl.dot(tl.trans(b_ah), b_bh, b_acc, input_precision=PRECISION) + b_blk
+            else:
+                b_blk = tl.dot(tl.trans(b_ah), b_bh, b_blk, input_precision=PRECISION)
+                b_acc = b_acc + b_blk
     else:
         if UPCAST:
             b_a, b_b = b_a.to(tl.float32), b_b.to(tl.float32)
-        b_acc = tl.dot(tl.trans(b_a), b_b, b_acc, input_precision=PRECISION)
+        if ACC == 2:
+            b_acc = b_acc + tl.dot(tl.trans(b_a), b_b, input_precision=PRECISION)
+        else:
+            b_acc = tl.dot(tl.trans(b_a), b_b, b_acc, input_precision=PRECISION)
     return b_acc
 
 
@@ -269,7 +294,7 @@ def _fused_rows(
     p_xs, p_mask, p_cs, r_lo, r_hi, Tk, ROW_STEP,
     stride_xb, stride_xt, stride_xd, stride_mb, stride_mt, o_d, m_d,
     HAS_MASK: tl.constexpr, CENTER: tl.constexpr, SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr, EXACT: tl.constexpr, TK_GE_BT: tl.constexpr, BT: tl.constexpr,
+    PRECISION: tl.constexpr, ACC: tl.constexpr, EXACT: tl.constexpr, TK_GE_BT: tl.constexpr, BT: tl.constexpr,
     BD: tl.constexpr,
 ):
     """(G, Σd, valid rows, rejected rows) over rows [r_lo, r_hi) of one site, the tile holding
@@ -342,7 +367,7 @@ def _fused_rows(
             b_a = _prep_block(b_x, valid[:, None] & m_d[None, :], b_c, CENTER)
         else:
             b_a = b_x  # the masked load already zeroed what is not valid
-        b_G = _gram_dot(b_a, b_a, b_G, SPLIT_BF16, UPCAST, PRECISION)
+        b_G = _gram_dot(b_a, b_a, b_G, SPLIT_BF16, UPCAST, PRECISION, ACC)
         b_S += b_a.to(tl.float32)
     return b_G, tl.sum(b_S, axis=0), tl.sum(b_n, axis=0), tl.sum(b_rej, axis=0)
 
@@ -355,7 +380,7 @@ def _cov_partials_kernel(
     stride_xb, stride_xt, stride_xs, stride_xd, stride_mb, stride_mt,
     ROW_STEP,
     HAS_MASK: tl.constexpr, FUSED_STATUS: tl.constexpr, CENTER: tl.constexpr,
-    SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     NTILE: tl.constexpr, TK_GE_BT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
 ):
     """One (tile of G, site, row split): partial Σ d dᵀ over rows [i_k·RPS, (i_k+1)·RPS).
@@ -380,14 +405,14 @@ def _cov_partials_kernel(
         # fast pass: no per-row finiteness test; a NaN/±Inf in any kept row reaches Σd
         b_G, b_sum, n_ok, n_rej = _fused_rows(
             p_xs, p_mask, p_cs, r_lo, r_hi, Tk, ROW_STEP, stride_xb, stride_xt, stride_xd,
-            stride_mb, stride_mt, o_m, m_m, HAS_MASK, CENTER, SPLIT_BF16, UPCAST, PRECISION,
+            stride_mb, stride_mt, o_m, m_m, HAS_MASK, CENTER, SPLIT_BF16, UPCAST, PRECISION, ACC,
             False, TK_GE_BT, BT, BD)
         if _nonfinite(b_sum, 0) != 0:
             # some kept row is not finite (or Σd overflowed): redo this program's rows with
             # the exact per-row test, so rejected rows are counted and never merged
             b_G, b_sum, n_ok, n_rej = _fused_rows(
                 p_xs, p_mask, p_cs, r_lo, r_hi, Tk, ROW_STEP, stride_xb, stride_xt, stride_xd,
-                stride_mb, stride_mt, o_m, m_m, HAS_MASK, CENTER, SPLIT_BF16, UPCAST, PRECISION,
+                stride_mb, stride_mt, o_m, m_m, HAS_MASK, CENTER, SPLIT_BF16, UPCAST, PRECISION, ACC,
                 True, TK_GE_BT, BT, BD)
     else:
         b_G = tl.zeros([BD, BD], dtype=tl.float32)
@@ -401,7 +426,7 @@ def _cov_partials_kernel(
             valid = b_st == 1
             b_a = _load_prepped(p_row, o_m, m_m, valid, p_cs, stride_xd, CENTER)
             b_b = _load_prepped(p_row, o_n, m_n, valid, p_cs, stride_xd, CENTER)
-            b_G = _gram_dot(b_a, b_b, b_G, SPLIT_BF16, UPCAST, PRECISION)
+            b_G = _gram_dot(b_a, b_b, b_G, SPLIT_BF16, UPCAST, PRECISION, ACC)
             b_sum += tl.sum(b_a.to(tl.float32), axis=0)
 
     o_out = (i_k.to(tl.int64) * S + i_s) * D

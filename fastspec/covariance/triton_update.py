@@ -161,7 +161,8 @@ def _check(x: Tensor, mask: Tensor | None, row_step: int) -> int:
 
 
 def covariance_partials_triton(x: Tensor, mask: Tensor | None = None, row_step: int = 1,
-                               center: bool = True, *, split: int | None = None) -> CovPartials:
+                               center: bool = True, *, split: int | None = None,
+                               config: LaunchConfig | None = None, acc: int = 0) -> CovPartials:
     """FP32 partials of one chunk ``x: [B, T, S, D]`` (any strides), ``mask: [B, T]`` or None.
 
     Rows ``x[b, t]`` for ``t = 0, k, 2k, ...`` (``k = row_step``) with ``mask[b, t]`` true are
@@ -170,6 +171,10 @@ def covariance_partials_triton(x: Tensor, mask: Tensor | None = None, row_step: 
     [S, D, D], rejected [S] int64)`` over valid rows; fp32 sums, ``c = 0`` when not ``center``,
     ``G`` exactly symmetric.
     float64 input is delegated to the torch reference (the kernels accumulate in fp32).
+
+    Diagnostics and tests only (``benchmarks/gpu_diag.py``): ``config`` replaces
+    :func:`launch_config`'s tiling (its ``BD``/``NTILE`` must suit ``D``), ``acc`` picks where the
+    kernel sums a block's products (``_gram_dot``'s ``ACC``; 0, the default, is the only tuned one).
     """
     row_step = _check(x, mask, row_step)
     if x.dtype == torch.float64:
@@ -184,7 +189,8 @@ def covariance_partials_triton(x: Tensor, mask: Tensor | None = None, row_step: 
         zeros = torch.zeros(S, dtype=torch.int64, device=dev)
         return CovPartials(zeros, torch.zeros(S, D, **f32), torch.zeros(S, D, **f32),
                            torch.zeros(S, D, D, **f32), zeros.clone())
-    cfg = launch_config(N, S, D, dev, x.element_size(), split, bool(center))
+    cfg = launch_config(N, S, D, dev, x.element_size(), split, bool(center)) if config is None else config
+    acc = _args.choice("acc", _args.integer("acc", acc, minimum=0), (0, 1, 2))
     fused = cfg.NTILE == 1
     lowp = x.dtype in (torch.bfloat16, torch.float16)
     split_bf16 = bool(center) and lowp
@@ -218,7 +224,7 @@ def covariance_partials_triton(x: Tensor, mask: Tensor | None = None, row_step: 
             x, mask, status, c, G_ws, s_ws, cnt, cnt[1] if fused else c,
             N, Tk, D, S, cfg.rows_per_split, **common,
             FUSED_STATUS=fused, CENTER=bool(center), SPLIT_BF16=split_bf16,
-            UPCAST=_interpreting(), PRECISION="ieee",
+            UPCAST=_interpreting(), PRECISION="ieee", ACC=acc,
             NTILE=cfg.NTILE, TK_GE_BT=_ROW_CARRY and Tk >= cfg.BT, BT=cfg.BT, BD=cfg.BD, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
 
