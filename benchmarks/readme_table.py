@@ -64,13 +64,18 @@ def compare_summary(doc: dict, name: str) -> str:
     return line + f"; from `{name}`.\n"
 
 
+def _gpu_first(docs: list[tuple[Path, dict]]) -> list[tuple[Path, dict]]:
+    """GPU runs before CPU runs (the CPU ones time the fallback paths), each group by name."""
+    return sorted(docs, key=lambda item: (item[1]["environment"]["device"] == "cpu", item[0].name))
+
+
 def readme_block(results_dir: Path, relative_to: Path = Path(".")) -> str:
     """The markdown between the README markers: one table per result file, measured rows only.
 
     File names are written relative to ``relative_to`` (the README's folder).
     """
     parts = []
-    for path, doc in load_results(results_dir):
+    for path, doc in _gpu_first(load_results(results_dir)):
         name = Path(os.path.relpath(path, relative_to)).as_posix()
         measured = [r for r in doc["results"] if "fastspec_s" in r]
         left_out = len(doc["results"]) - len(measured)
@@ -79,7 +84,7 @@ def readme_block(results_dir: Path, relative_to: Path = Path(".")) -> str:
                      f"`{doc['tier']}` sizes, from `{name}`"
                      + (f" ({left_out} case(s) not run there: see the file)" if left_out else "") + "\n")
         parts.append(render_markdown(BENCH_COLUMNS, [bench_cells(r) for r in measured]) + "\n")
-    for path, doc in load_results(results_dir, "compare"):
+    for path, doc in _gpu_first(load_results(results_dir, "compare")):
         parts.append(compare_summary(doc, Path(os.path.relpath(path, relative_to)).as_posix()))
     if not parts:
         parts.append("No benchmark results committed yet.\n")
