@@ -131,7 +131,8 @@ PLAN: dict[int, tuple[Step, ...]] = {
               "of a keys-streaming train step at the 1.5B shape"),
         _bench("eigvalsh", 55, 15, "every other eigvalsh size (n 64/128/256, B up to 16384, fp64 B4096)", REST),
         _bench("covariance", 20, 10, "FFN [16384, 8192] bf16: update, kernel, copy", REST),
-        _bench("train_step", 45, 15, "1.5B train step, keys + FFN streaming, emit_every 100 and 1"),
+        _bench("train_step", 45, 15, "1.5B train step, keys + FFN streaming: emit_every 100, budget=0.01, "
+               "emit_every 1"),
         Step("ncu", "ncu", 30, 5, "Nsight Compute --set full: one eig launch, one keys covariance launch"),
         SUMMARY),
     3: (BUILD, KERNELS,

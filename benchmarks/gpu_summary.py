@@ -79,6 +79,10 @@ def _e(x: float | None) -> str:
     return "-" if x is None else f"{x:.2g}"
 
 
+def _pct(v) -> str:
+    return "-" if v is None else f"{v:.2f}%"
+
+
 def row_line(r: dict) -> str:
     head = f"{r['suite']:<10} {r['size']:<34} {r['variant']:<14} {r.get('baseline', ''):<28}"
     if "skipped" in r:
@@ -101,6 +105,9 @@ def row_line(r: dict) -> str:
         line += (f"  compile {r['probed_compile_s']:.0f}+{r['baseline_compile_s']:.0f} s, graphs "
                  f"{r['probed_graphs']:g}+{r['baseline_graphs']:g}, recompiles {r['recompiles']:g}, "
                  f"breaks {r['graph_breaks']:g}")
+    if r.get("budget_average_pct") is not None:  # a budget case: what the probe itself reports
+        line += (f"  budget reports {r['budget_average_pct']:.2f}% (measured "
+                 f"{_pct(r.get('budget_measured_pct'))}), every {r['budget_every']}, FFN row step {r['ffn_row_step']}")
     if "error" in r:
         line += f"  ERROR: {r['error']}"
     if r.get("claim_held") is False:  # fastspec bench exited 1 for it: the step shows FAILED

@@ -179,7 +179,8 @@ def test_quick_model_suites_run_end_to_end_with_the_layer_fields():
     rows = run_cases(selected, CPU, warmup=0, repeats=1)
     assert [r for r in rows if "error" in r or "skipped" in r] == []
     assert {(r["suite"], r["variant"]) for r in _measured(rows)} == {
-        ("train_step", "emit_every=100"), ("train_step", "emit_every=1"), ("keyrank", "auto")}
+        ("train_step", "emit_every=100"), ("train_step", "budget=0.01-emit_every=100"),
+        ("train_step", "emit_every=1"), ("keyrank", "auto")}
     for r in _measured(rows):
         if r["suite"] == "train_step":
             assert r["size"].startswith("L2-")
@@ -233,6 +234,22 @@ def test_quick_compiled_train_step_runs_end_to_end_with_the_compile_fields():
     from fastspec.probe import hf_attention
 
     assert not hf_attention._CALLBACKS and not hf_attention._PATCHES
+
+
+def test_the_budget_case_reports_what_the_probe_says_beside_the_measured_overhead():
+    """keys + FFN under budget=0.01 (issue: measured against interleaved plain steps, next to
+    what the budget itself reports): the row carries Probe.overhead() read after the timed rounds."""
+    pytest.importorskip("transformers")
+    suite = cases("train_step", "quick", CPU)
+    assert [c.variant for c in suite] == ["emit_every=100", "budget=0.01-emit_every=100", "emit_every=1"]
+    budget = suite[1]
+    assert budget.row_extra is not None and suite[0].row_extra is None and suite[2].row_extra is None
+    (r,) = run_cases([budget], CPU, warmup=1, repeats=2)
+    assert "error" not in r and "skipped" not in r, r
+    assert math.isclose(r["overhead_pct"], (r["fastspec_s"] / r["baseline_s"] - 1) * 100)
+    # the probe ran its budget: an average and a measured share, an interval, FFN sampling
+    assert r["budget_average_pct"] > 0 and r["budget_measured_pct"] > 0
+    assert r["budget_every"] >= 1 and r["ffn_row_step"] >= 1 and r["fastspec_error"] == 0
 
 
 class Built(list):

@@ -236,6 +236,16 @@ def test_summary_line_of_a_compiled_row_says_what_compiling_cost():
     assert gpu_summary.SUITE_ORDER[-1] == "train_step_compiled"
 
 
+def test_summary_line_of_a_budget_row_sets_what_the_probe_reports_beside_the_measured():
+    row = {"suite": "train_step", "size": "L32", "variant": "budget=0.01-emit_every=100",
+           "baseline": "training step without probe", "fastspec_s": 0.303, "baseline_s": 0.3,
+           "speedup": 0.3 / 0.303, "overhead_pct": 1.0, "fastspec_error": 0.0, "baseline_error": None,
+           "budget_average_pct": 0.97, "budget_measured_pct": None, "budget_every": 3, "ffn_row_step": 16}
+    line = gpu_summary.row_line(row)
+    assert "overhead +1.0%" in line
+    assert line.endswith("budget reports 0.97% (measured -), every 3, FFN row step 16")
+
+
 
 
 # ------------------------------------------------------------------------------------- the plan

@@ -304,13 +304,17 @@ def fit_layers(requested: int, build: Callable[[int], Inputs], trial: Callable[[
 def train_step_case(tier: str, device: torch.device, emit_every: int, *, shape: dict[str, int],
                     batch_shape: tuple[int, int], keys: bool = True, ffn: bool = True,
                     suite: str = "train_step", size_prefix: str = "", variant: str | None = None,
-                    compiled: bool = False) -> Case:
+                    compiled: bool = False, budget: float | None = None) -> Case:
     """A training step (forward, backward, AdamW) on a ``shape`` model and ``batch_shape``
     tokens, with vs without a streaming ``Probe(model, keys=keys, ffn=ffn,
     emit_every=emit_every)``, layers fitted as in the module docstring. The defaults name the
     ``train_step`` suite's case (keys + FFN); the ``probe`` suite passes its own sites and names.
     ``compiled``: both sides through ``torch.compile(fullgraph=True)`` (module docstring); the
-    default variant then names the backend (``aot_eager-emit_every=100``)."""
+    default variant then names the backend (``aot_eager-emit_every=100``). ``budget``: the
+    probe's overhead budget (``Probe(budget=...)``, variant ``budget=0.01-emit_every=100``); its
+    rows add what the probe itself reports after the timed rounds (``Probe.overhead()``:
+    ``budget_average_pct``, ``budget_measured_pct``, ``budget_every``, ``ffn_row_step``), next
+    to the overhead the runner measured against the interleaved plain steps."""
     skip = requirements() or (compile_requirements(device) if compiled else None)
     backend = compile_backend(device) if compiled else None
     requested = shape["num_hidden_layers"]
@@ -327,10 +331,10 @@ def train_step_case(tier: str, device: torch.device, emit_every: int, *, shape: 
         inp = {"model": model, "ids": tokens(batch_shape, shape["vocab_size"], device),
                "opt": torch.optim.AdamW(model.parameters(), lr=1e-5), "step": [0]}
         if not compiled:
-            probe = fastspec.Probe(model, keys=keys, ffn=ffn, emit_every=emit_every)
+            probe = fastspec.Probe(model, keys=keys, ffn=ffn, emit_every=emit_every, budget=budget)
             return {**inp, "probe": probe, "probed_model": model, "plain_model": model}
         twin = shared_twin(model)  # before the probe exists: no hooks of its own
-        probe = fastspec.Probe(model, keys=keys, ffn=ffn, emit_every=emit_every).attach()
+        probe = fastspec.Probe(model, keys=keys, ffn=ffn, emit_every=emit_every, budget=budget).attach()
         attached.append(probe)  # detached by free() (a failed depth) or teardown()
         return {**inp, "probe": probe,
                 "probed_model": torch.compile(model, fullgraph=True, backend=backend),
@@ -386,6 +390,17 @@ def train_step_case(tier: str, device: torch.device, emit_every: int, *, shape: 
         return t + time_once(lambda: plain(inp), device)
 
     attached: list = []  # compiled: probes attached in build(), for the whole case
+    held: dict = {}  # the probe of the depth fit_layers kept (setup), for reported()
+
+    def reported(row: dict) -> dict:
+        """What the probe's own budget says, read after the timed rounds (budget cases only)."""
+        o = held["probe"].overhead()
+
+        def pct(v):
+            return None if v is None else 100 * v
+
+        return {"budget_average_pct": pct(o["average"]), "budget_measured_pct": pct(o["measured"]),
+                "budget_every": o["every"], "ffn_row_step": o["ffn_row_step"]}
 
     def detach_all() -> None:
         # the hooks and the process-wide attention wrapper must not outlive the case
@@ -409,6 +424,7 @@ def train_step_case(tier: str, device: torch.device, emit_every: int, *, shape: 
     def setup() -> Inputs:
         notes.clear()
         inputs, fit = fit_layers(requested, build, trial, free=free)
+        held["probe"] = inputs["probe"]
         notes.update(fit.notes())
         return {**inputs, "fit": fit}
 
@@ -431,6 +447,8 @@ def train_step_case(tier: str, device: torch.device, emit_every: int, *, shape: 
 
     if variant is None:
         variant = f"{backend}-emit_every={emit_every}" if compiled else f"emit_every={emit_every}"
+        if budget is not None:
+            variant = f"budget={budget:g}-{variant}"
     baseline = "compiled training step without probe" if compiled else "training step without probe"
     return Case(suite=suite, size=size_prefix + size_id(tier, shape, batch_shape), variant=variant,
                 setup=setup, fastspec=probed, baselines={baseline: plain},
@@ -440,4 +458,5 @@ def train_step_case(tier: str, device: torch.device, emit_every: int, *, shape: 
                 claim=exactly_zero("graph_breaks", "recompiles") if compiled else exactly_zero(),
                 skip=skip, notes=notes,
                 fastspec_context=streaming, overhead=True,
+                row_extra=reported if budget is not None and not compiled else None,
                 teardown=release if compiled else None)
