@@ -83,7 +83,7 @@ Byte/flop arithmetic (H100 SXM: ~3.35 TB/s HBM, ~990 TFLOP/s dense bf16; H200: 4
   uncentered keys kernel ran 18.8 µs under Nsight Compute (1.9 TB/s, 40 % of HBM; prediction
   12.5 µs). 192 registers allow one 8-warp program per SM, and the shared-memory stores of the
   pipeline have 5.8-way bank conflicts. A whole call took 152 µs, event-timed: the launcher's
-  host work, not the kernel. The FFN case ran 22.4 ms (prediction 2-3 ms). On that GPU, fp16
+  host work, not the kernel. The centred FFN case ran 22.4 ms (prediction: 2-3 ms uncentred, 4 dots per block centred). On that GPU, fp16
   uncentered at D = 128 was 1.7 % off, and the centered split was 30-60× less accurate than torch
   fp32 (see ``benchmarks/gpu_diag.py``). The interpreter passes both.
 """
