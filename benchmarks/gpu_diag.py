@@ -41,16 +41,11 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: the checkout's fastspec, like the other tools
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# benchmarks/ is on the path when run as a script (and in tests/test_gpu_run.py's import)
+from gpu_tools import Clock
+
 REPEATS = 3  # fresh draws per accuracy row
 CALLS = 50   # calls per host / device timing of the covariance update
-
-
-class Deadline:
-    def __init__(self, limit: float | None):
-        self.end = None if limit is None else time.monotonic() + limit
-
-    def passed(self) -> bool:
-        return self.end is not None and time.monotonic() > self.end
 
 
 def _device(dry: bool):
@@ -150,17 +145,17 @@ def accuracy_rows(dry: bool) -> list[tuple[str, dict, Callable]]:
 def accuracy(dry: bool, limit: float | None) -> int:
     import torch
 
-    deadline = Deadline(limit)
+    clock = Clock(limit)
     rows = accuracy_rows(dry)
     print(f"{'case':<10} {'dtype':<6} {'BT':>3} {'warps':>5} {'stages':>6} {'acc':>3}  "
           f"{'kernel err':>10} {'torch err':>10} {'ratio':>8}  moving")
-    left = []
+    not_run = 0
     for name, s, make in rows:
         cfg, dtype = s["config"], s["dtype"]
         label = (f"{name:<10} {str(dtype).removeprefix('torch.'):<6} {cfg.BT:>3} {cfg.num_warps:>5} "
                  f"{cfg.num_stages:>6} {s['acc']:>3}")
-        if deadline.passed():
-            left.append(label.split())
+        if clock.left() < 0:
+            not_run += 1
             continue
         try:
             errs = []
@@ -174,8 +169,8 @@ def accuracy(dry: bool, limit: float | None) -> int:
         except Exception as e:  # noqa: BLE001 - a setting that fails to compile is a finding, not the end
             print(f"{label}  ERROR {type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}",
                   flush=True)
-    if left:
-        print(f"not run (time limit): {len(left)} settings")
+    if not_run:
+        print(f"not run (time limit): {not_run} settings")
     return 0
 
 
@@ -185,18 +180,17 @@ def host_and_device_us(fn: Callable[[], object], device) -> tuple[float, float |
     call replayed; or why the graph could not be captured)."""
     import torch
 
+    cuda = device.type == "cuda"
     for _ in range(3):
         fn()
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        for _ in range(CALLS):
-            fn()
-        return (time.perf_counter() - t0) / CALLS * 1e6, "no CUDA graph on CPU"
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(CALLS):
         fn()
-    host = (time.perf_counter() - t0) / CALLS * 1e6  # the GPU is idle behind a host-bound loop
+    host = (time.perf_counter() - t0) / CALLS * 1e6  # on CUDA the GPU idles behind a host-bound loop
+    if not cuda:
+        return host, "no CUDA graph on CPU"
     torch.cuda.synchronize()
     try:
         graph = torch.cuda.CUDAGraph()
@@ -253,38 +247,45 @@ def _top(prof, device) -> str:
     return "\n".join(out)
 
 
-def _timed(fn: Callable[[], object], device, repeats: int = 3) -> float:
-    """Median ms of ``fn`` after one warm-up (events on CUDA, perf_counter on CPU)."""
-    import statistics
+def _timed(fn: Callable[[], object], device) -> float:
+    """Median ms of ``fn`` over 3 calls after one warm-up (the benchmarks' timer)."""
+    from fastspec.bench.timing import measure
 
-    import torch
-
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return measure(fn, device=device, warmup=1, repeats=3).median * 1e3
 
 
-def profile_measure(dry: bool) -> None:
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    import fastspec
+def _llama(dry: bool, train: bool):
+    """(device, size id, model, token ids): the probe suite's model (1.5B shape on GPU, tiny in a
+    dry run), in train or eval mode."""
     from fastspec.bench import models
     from fastspec.bench.suites.probe import PROBE_SHAPES, PROBE_TOKENS
 
     dev = _device(dry)
     tier = "quick" if dry else "gpu"
     shape, toks = PROBE_SHAPES[tier], PROBE_TOKENS[tier]
-    model = models.build_llama(tier, dev, shape=shape).eval()
-    ids = models.tokens(toks, shape["vocab_size"], dev)
+    model = models.build_llama(tier, dev, shape=shape).train(train)
+    return dev, models.size_id(tier, shape, toks), model, models.tokens(toks, shape["vocab_size"], dev)
+
+
+def _profiled(fn: Callable[[], object], device) -> str:
+    """torch.profiler's top operations of one ``fn()`` call (device work included)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    return _top(prof, device)
+
+
+def profile_measure(dry: bool) -> None:
+    import torch
+
+    import fastspec
+
+    dev, size, model, ids = _llama(dry, train=False)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     probe = fastspec.Probe(model, keys=True, ffn=False)
 
@@ -296,30 +297,18 @@ def profile_measure(dry: bool) -> None:
         probe.measure(batch, step=0)
 
     t_fwd, t_measure = _timed(forward, dev), _timed(measure, dev)
-    print(f"measure: {models.size_id(tier, shape, toks)}: forward {t_fwd:.1f} ms, measure {t_measure:.1f} ms "
+    print(f"measure: {size}: forward {t_fwd:.1f} ms, measure {t_measure:.1f} ms "
           f"(+{t_measure - t_fwd:.1f} ms, {100 * (t_measure / t_fwd - 1):+.1f}%)", flush=True)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        measure()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-    print(_top(prof, dev), flush=True)
+    print(_profiled(measure, dev), flush=True)
     probe.close()
 
 
 def profile_step(dry: bool) -> None:
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     import fastspec
-    from fastspec.bench import models
-    from fastspec.bench.suites.probe import PROBE_SHAPES, PROBE_TOKENS
 
-    dev = _device(dry)
-    tier = "quick" if dry else "gpu"
-    shape, toks = PROBE_SHAPES[tier], PROBE_TOKENS[tier]
-    model = models.build_llama(tier, dev, shape=shape).train()
-    ids = models.tokens(toks, shape["vocab_size"], dev)
+    dev, size, model, ids = _llama(dry, train=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     probe = fastspec.Probe(model, keys=True, ffn=False, emit_every=100)
     step = [0]
@@ -335,24 +324,20 @@ def profile_step(dry: bool) -> None:
         step[0] += 1
 
     t_plain = _timed(train, dev)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with probe.streaming():  # once around the loop, as in training
         t_probed = _timed(probed, dev)
-        print(f"train step: {models.size_id(tier, shape, toks)}: plain {t_plain:.1f} ms, keys streaming "
+        print(f"train step: {size}: plain {t_plain:.1f} ms, keys streaming "
               f"{t_probed:.1f} ms ({100 * (t_probed / t_plain - 1):+.1f}%)", flush=True)
-        with profile(activities=acts) as prof:
-            probed()
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-    print(_top(prof, dev), flush=True)
+        table = _profiled(probed, dev)
+    print(table, flush=True)
     probe.close()
 
 
 def profile_all(dry: bool, limit: float | None) -> int:
-    deadline = Deadline(limit)
+    clock = Clock(limit)
     parts = {"cov-call": cov_call, "measure": profile_measure, "train-step": profile_step}
     for name, part in parts.items():
-        if deadline.passed():
+        if clock.left() < 0:
             print(f"{name}: not run (time limit)")
             continue
         try:
