@@ -284,7 +284,9 @@ def test_nan_activations_are_rejected_and_reported():
         x[0, 3, 5] = float("nan")
         return (x,)
     h = model.transformer.h[0].mlp.c_proj.register_forward_pre_hook(poison)
-    records = fastspec.Probe(model, keys=False).measure(inputs, step=0)
+    with pytest.warns(UserWarning, match=r"NaN/Inf activations were rejected .* at 2 site layers: "
+                                         r"ffn layer 0 \(1 of 16 rows\); ffn layer 1 "):
+        records = fastspec.Probe(model, keys=False).measure(inputs, step=0)
     h.remove()
     got = {(r.layer, r.metric): r.value for r in records if r.site == "ffn"}
     assert got[(0, "rejected")] == 1 and got[(0, "n")] == 15

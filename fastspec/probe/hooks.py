@@ -80,7 +80,7 @@ def as_bool_mask(mask) -> Tensor | None:
     return mask if mask.dtype == torch.bool else mask != 0
 
 
-def _positional_index(fn, name: str) -> int | None:
+def positional_index(fn, name: str) -> int | None:
     """Position of parameter ``name`` among ``fn``'s positional arguments (worked out once, so the
     pre-hook that runs on every forward, traced or not, needs no ``inspect``)."""
     try:
@@ -127,7 +127,7 @@ class ForwardScope:
     """Depth of the probed model's own ``forward`` and the ``attention_mask`` it was called with."""
 
     def __init__(self, model: nn.Module):
-        self._pos = {name: _positional_index(model.forward, name)
+        self._pos = {name: positional_index(model.forward, name)
                      for name in ("attention_mask", "input_ids", "inputs_embeds", *CACHE_ARGS)}
         self.depth = 0
         self.mask: Tensor | None = None
@@ -297,7 +297,13 @@ class Hooks:
             if layer is not None:
                 found[mod] = layer
         if not found:
-            raise ValueError("keys/queries: found no attention modules with a layer index in this model")
+            # phrased as ffn_modules' error: what was looked for, then the ways out
+            model_type = getattr(getattr(self.model, "config", None), "model_type", None)
+            raise ValueError(f"keys/queries: found no attention module with a layer index in this model "
+                             f"(model_type {model_type!r}; a module whose class name contains 'Attention'); "
+                             f"pass keys=False (and queries=False) if it does not call the Hugging Face "
+                             f"attention interface, or probe any module by name with modules=[...] (a glob or "
+                             f"ModuleSite; fastspec.probe.FAMILIES registers a family's FFN and Q/K-norm modules)")
         return found
 
     def _prerope_modules(self) -> tuple[list, bool]:

@@ -13,9 +13,12 @@ Sites (docs/protocols.md):
 * ``gamma_k`` / ``gamma_q``: coefficient of variation of the Q/K-norm weight γ per layer.
 
 Only tokens the 2-D ``attention_mask`` of the model call keeps are counted (padding is not); a
-mask whose shape does not fit the call's ``[B, T]`` tokens raises (``hooks.check_mask``).
+mask whose shape does not fit the call's ``[B, T]`` tokens raises (``hooks.check_mask``), and so
+do a :meth:`Probe.measure` batch without a token or with a mask of zeros (``checks.py``).
 A requested site that captures no rows warns (after :meth:`Probe.measure`, and once per site at a
 streaming emission) with the likely reason; a site that matches no module raises at construction.
+Rows with NaN/Inf are never merged (``Covariance.rejected``): the (site, layer)s that refused some
+are named in a warning (after :meth:`Probe.measure`, and once each when streamed records arrive).
 A capture counts only while the probed model's own ``forward`` is running, so the forward that
 activation checkpointing recomputes during backward is never counted twice. Captures run under
 ``no_grad`` with autocast off and read the activations without changing them: the model's
@@ -35,6 +38,7 @@ docs/compile.md).
 * ``budget.py``: the streaming schedule and its overhead budget, from the work times of ``timer.py``;
 * ``ffn_sampling.py``: the FFN sites' streaming token sampling, from a FLOP model;
 * ``emission.py`` (and ``gamma.py``): metrics and spectra of the covariances, one eigensolve per shape;
+* ``checks.py``: the batch a measurement takes, and the sites whose rows were missing or refused;
 * ``pending.py`` / ``history.py`` / ``record.py``: the records, handed to the host without a sync.
 """
 from __future__ import annotations
@@ -49,12 +53,13 @@ from torch import Tensor, nn
 
 from .. import _args
 from ..covariance.policy import UpdateSettings
+from . import checks
 from .budget import OverheadBudget
 from .emission import RECORD_METRICS, SPECTRUM_METRICS, SYNC_MODES, Emitter
 from .families import resolve_family
 from .ffn_sampling import choose_ffn_rows
 from .history import History
-from .hooks import ForwardScope, Hooks, SitePlan
+from .hooks import ForwardScope, Hooks, SitePlan, positional_index
 from .record import Record
 from .routing import Router
 from .sites import CONVENTIONS, Collector, module_sites
@@ -212,13 +217,18 @@ class Probe:
         self._flush_allowed = False        # one step() after detach() is a final one, not a mistake
         self._warned_step = False
         self._warned_sites: set[str] = set()  # sites a streaming emission warned about (once each)
+        self._warned_rejected: set[tuple] = set()  # (site, layer)s streamed NaN/Inf rows were named for
+        # measure(tensor) calls model(tensor): its input_ids where forward takes them first (HF models)
+        self._tensor_is_input_ids = positional_index(self.model.forward, "input_ids") == 0
 
     # ------------------------------------------------------------- eval protocol
-    @staticmethod
-    def _as_batch(batch) -> dict | Tensor:
+    def _as_batch(self, batch) -> dict | Tensor:
         """``batch`` as a dict of model kwargs (from any mapping, e.g. a tokenizer's
-        ``BatchEncoding``) or an ``input_ids`` tensor."""
+        ``BatchEncoding``) or an ``input_ids`` tensor, with at least one token to measure
+        (``checks.check_batch``: raises naming ``input_ids``, ``inputs_embeds`` or ``attention_mask``)."""
         if isinstance(batch, Tensor):
+            # a custom module's first input may be anything: its own to check
+            checks.check_batch(batch, tensor_is_input_ids=self._tensor_is_input_ids)
             return batch
         if not isinstance(batch, Mapping) or not all(isinstance(k, str) for k in batch):
             raise TypeError(f"batch: expected a mapping of model kwargs (a dict, a tokenizer's BatchEncoding) "
@@ -228,6 +238,7 @@ class Probe:
             if key in batch and not isinstance(batch[key], Tensor) and batch[key] is not None:
                 raise TypeError(f"batch: {key} is a {type(batch[key]).__name__}, expected a tensor "
                                 f"(tokenize with return_tensors='pt')")
+        checks.check_batch(batch, tensor_is_input_ids=True)
         return batch
 
     def _eval_forward(self, batch) -> Collector:
@@ -254,7 +265,6 @@ class Probe:
                 self._hooks.remove()
             for m, was_training in modes:
                 m.training = was_training
-        self._warn_missing(collector, "in this measurement", stacklevel=4)
         return collector
 
     def measure(self, batch, *, step: int, tokens_seen: int | None = None) -> list[Record]:
@@ -269,15 +279,25 @@ class Probe:
         gets the metrics of the whole batch (``sync="all"``), as one process would.
 
         Returns the new records (also appended to :meth:`records`); waits for their values.
-        Warns (``UserWarning``) for each site that captured no rows, with the likely reason.
-        Raises ``ValueError`` if the ``attention_mask`` does not fit ``input_ids`` (``[B, T]``).
+        Warns (``UserWarning``) for each site that captured no rows, with the likely reason (also
+        a site that ran but whose every row the ``attention_mask`` left out), and, in one warning,
+        names the (site, layer)s that rejected rows holding NaN/Inf (never merged; the ``rejected``
+        metric counts them).
+        Raises ``ValueError`` before the forward if ``input_ids`` is not an integer ``[B, T]``
+        with at least one token (``inputs_embeds``: ``[B, T, d]``), or if the ``attention_mask``
+        does not fit it or masks every token.
         """
         step = _args.integer("step", step)
         tokens_seen = _args.integer("tokens_seen", tokens_seen, minimum=0, optional=True)
         collector = self._eval_forward(self._as_batch(batch))
         pending = self._emitter.records(collector, step, tokens_seen, "eval")
         records = [] if pending is None else pending.materialize()
-        self._history.flush()
+        # the records hold n and rejected on the host: sites that ran but kept no row are found
+        # too; a rank that reports nothing (sync="rank0") judges by what it captured itself
+        self._warn_missing(collector, "in this measurement", stacklevel=3,
+                           records=records if self._emitter.reports() else None)
+        self._warn_rejected(records, "in this measurement", stacklevel=3)
+        self._flush(stacklevel=3)
         self._history.extend(records)
         return records
 
@@ -293,7 +313,9 @@ class Probe:
         """
         if batch is None:
             return self._emitter.spectra(self._totals)
-        return self._emitter.spectra(self._eval_forward(self._as_batch(batch)))
+        collector = self._eval_forward(self._as_batch(batch))
+        self._warn_missing(collector, "in this measurement", stacklevel=3)
+        return self._emitter.spectra(collector)
 
     def _missing_hints(self) -> dict[str, str]:
         """Every requested site, with the likely reason why it would capture nothing."""
@@ -313,16 +335,46 @@ class Probe:
         return out
 
     def _warn_missing(self, collector: Collector, when: str, *, stacklevel: int,
-                      once: set[str] | None = None) -> None:
-        """Warn for each requested site without a row in ``collector`` (structural: no value is
-        read, so no sync); with ``once``, only for sites not in it yet (it records them)."""
-        seen = {site for (site, _), acc in collector.accs.items() if acc.cov.device is not None}
+                      once: set[str] | None = None, records: list[Record] | None = None) -> None:
+        """Warn for each requested site without a row in ``collector``: by structure, a site that
+        never captured (no value is read, so no sync); with the ``records`` of ``collector``
+        (values on the host already), also a site that captured but merged and refused no row,
+        its every row masked out. With ``once``, only for sites not in it yet (it records them)."""
+        ran = {site for (site, _), acc in collector.accs.items() if acc.cov.device is not None}
+        seen = ran if records is None else checks.sites_with_rows(records)
         for site, hint in self._missing_hints().items():
             if site in seen or (once is not None and site in once):
                 continue
             if once is not None:
                 once.add(site)
+            if site in ran:  # its hooks ran: the mask, not the model, left it without rows
+                hint = ("its module ran, but the attention_mask kept none of its token rows (the mask's last "
+                        "T columns cover a site's [B, T] rows)")
             warnings.warn(f"fastspec.Probe: site {site!r} captured no rows {when}: {hint}.", stacklevel=stacklevel)
+
+    def _warn_rejected(self, records: list[Record], when: str, *, stacklevel: int,
+                       once: set[tuple] | None = None) -> None:
+        """One warning naming every (site, layer) of ``records`` that rejected NaN/Inf rows (read
+        off the records' ``rejected`` values, on the host: no sync); with ``once``, only those not
+        in it yet (it records them)."""
+        found = checks.rejected_rows(records)
+        if once is not None:
+            found = [f for f in found if (f.site, f.layer) not in once]
+            once.update((f.site, f.layer) for f in found)
+        if found:
+            warnings.warn(checks.rejected_message(found, when), stacklevel=stacklevel)
+
+    def _flush(self, *, stacklevel: int, block: bool = True) -> list[Record]:
+        """The streamed records that reached the host (``block``: all, waiting) moved into the
+        history, with a warning for the (site, layer)s whose NaN/Inf rows they report for the first
+        time: only here are their values on the host without a sync. ``stacklevel`` as for a warning
+        raised in this method (3: the user's frame, when a public method calls it)."""
+        new = self._history.flush(block)
+        stream = [r for r in new if r.protocol == "stream"]
+        if stream:
+            self._warn_rejected(stream, f"by step {stream[-1].step}", stacklevel=stacklevel + 1,
+                                once=self._warned_rejected)
+        return new
 
     # ---------------------------------------------------------------- streaming
     def attach(self) -> Probe:
@@ -390,6 +442,8 @@ class Probe:
         right after :meth:`detach` is fine (a final step emitting what was accumulated), so a
         ``streaming()`` context around each step's forwards is too. An emission while attached
         warns, once per site, for each site that has captured no rows yet, with the likely reason.
+        Streamed records that report rows rejected for NaN/Inf warn as they reach the host (here,
+        or in :meth:`records`), naming each (site, layer) once.
         """
         step = _args.integer("step", step)
         tokens_seen = _args.integer("tokens_seen", tokens_seen, minimum=0, optional=True)
@@ -429,7 +483,7 @@ class Probe:
                 budget.observe(None if untimed else work["capture"], work["emit"], s, captured, emitted)
         self._last_step_t = now
         self._router.capture_this_step = budget.capture_due(self._steps_seen)
-        return self._history.flush(block=False)
+        return self._flush(block=False, stacklevel=3)
 
     # read-only views of the settings, under the attribute names they had before settings existed
     precision = property(lambda self: self.settings.precision, doc="Products' precision (``settings.precision``).")
@@ -467,15 +521,18 @@ class Probe:
     # ------------------------------------------------------------------ records
     def records(self) -> list[Record]:
         """Every record so far (measure and streaming), waiting for values still in flight."""
+        self._flush(stacklevel=3)
         return self._history.records()
 
     def to_dataframe(self):
         """:meth:`records` as a ``pandas.DataFrame`` with the :class:`Record` fields as columns."""
+        self._flush(stacklevel=3)
         return self._history.to_dataframe()
 
     # --------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict:
         """Streaming accumulators, schedule, budget state and the record history."""
+        self._flush(stacklevel=3)
         return {
             "version": 1,
             "accumulators": [{"site": s, "layer": l, **acc.state_dict()}
