@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastspec
 from fastspec.eig import dispatch, limits, native
@@ -165,6 +166,66 @@ def test_nonfinite_matrix_under_autograd_keeps_finite_gradients():
     fastspec.eigvalsh(A)[[0, 2, 5]].sum().backward()
     assert torch.isfinite(A.grad).all()
     torch.testing.assert_close(A.grad[0].tril(), torch.eye(5, dtype=torch.float64))  # d tr(A) / dA
+
+
+class _OpLog(TorchDispatchMode):
+    """Every aten op run inside the block: (op, its input tensors, its output tensors)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops.append((func, self._tensors(args), self._tensors(out)))
+        return out
+
+    @staticmethod
+    def _tensors(x) -> list:
+        return [t for t in (x if isinstance(x, (tuple, list)) else (x,)) if isinstance(t, torch.Tensor)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_finite_cpu_batch_pays_no_full_size_pass_for_the_nan_guard(dtype):
+    """The issue's batch (16 matrices 32×32 on CPU): before the solve the guard may only reduce
+    (outputs of at most one value per matrix) or take views of ``A``, the solve gets ``A`` itself (no masked copy), and
+    its result is returned as is. The full NaN rule (isfinite, tril_, any, where: seven passes over
+    the batch, each its own parallel region, ~50 µs idle and milliseconds on a busy 2-core CPU)
+    is only for a batch that holds a NaN/Inf somewhere (test_nonfinite_matrix_gives_nan_row_...)."""
+    A = torch.randn(16, 32, 32, dtype=dtype)
+    A = A + A.mT
+    with _OpLog() as log:
+        w = fastspec.eigvalsh(A)
+    with _OpLog():  # (under a dispatch mode torch's eigvalsh computes eigenvectors too: other rounding)
+        assert torch.equal(w, torch.linalg.eigvalsh(A))
+    names = [str(op.overloadpacket) for op, _, _ in log.ops]
+    solve = next(i for i, name in enumerate(names) if "eigh" in name)
+    for op, _, outs in log.ops[:solve]:  # reductions, or views of A (detach): no batch-size temporary
+        assert all(t.numel() <= 16 or t.untyped_storage().data_ptr() == A.untyped_storage().data_ptr()
+                   for t in outs), (op, [tuple(t.shape) for t in outs], names)
+    assert log.ops[solve][1][0].data_ptr() == A.data_ptr(), names  # A itself, not a copy
+    assert names[solve + 1:] == [], names  # the solve's result, nothing masked afterwards
+    assert "aten.tril_" not in names and "aten.where" not in names
+
+
+def test_finite_entries_whose_sum_overflows_are_not_a_nan_matrix():
+    """A cheap all-finite check that sums the batch must not take an overflow for a NaN: these
+    entries are finite (their sum is not), so the eigenvalues are LAPACK's, not NaN."""
+    A = torch.diag(torch.tensor([3e38, 3e38, -1.0]))[None].repeat(2, 1, 1)
+    assert torch.isinf(A.sum())
+    torch.testing.assert_close(fastspec.eigvalsh(A), torch.linalg.eigvalsh(A))
+    assert torch.isfinite(fastspec.eigvalsh(A)).all()
+
+
+def test_nan_guard_keeps_its_rule_under_vmap_and_compile():
+    """Transforms that cannot branch on a value (vmap, dynamo) still get the NaN rule, sync-free."""
+    A, bad = _nonfinite_batch(torch.float64)
+    want = fastspec.eigvalsh(A)
+    torch.testing.assert_close(torch.func.vmap(fastspec.eigvalsh)(A), want, equal_nan=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: fastspec.eigvalsh(x), backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(A), want, equal_nan=True)
+    assert torch.isnan(want[bad]).all() and torch.isfinite(want[[0, 2, 5]]).all()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])

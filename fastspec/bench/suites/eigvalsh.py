@@ -65,8 +65,10 @@ from ..cubin import same_code
 
 SIZES = {  # (batch, n, dtype)
     "quick": [(16, 32, torch.float32), (4, 64, torch.float32), (8, 32, torch.float64)],
-    "cpu": [(256, 64, torch.float32), (64, 128, torch.float32), (16, 256, torch.float32),
-            (64, 128, torch.float64)],
+    # cpu: B16-n32 too, where LAPACK takes ~0.3 ms and any fixed cost of fastspec's own (the NaN
+    # guard's passes over the batch once cost as much again, and milliseconds on a busy CPU) shows
+    "cpu": [(16, 32, torch.float32), (256, 64, torch.float32), (64, 128, torch.float32),
+            (16, 256, torch.float32), (64, 128, torch.float64)],
     "gpu": [(4096, 64, torch.float32), (256, 128, torch.float32), (4096, 128, torch.float32),
             (16384, 128, torch.float32), (4096, 256, torch.float32), (256, 128, torch.float64),
             (4096, 128, torch.float64)],
