@@ -172,9 +172,37 @@ def test_a_difference_inside_the_repeats_spread_prints_as_noise():
     assert bench_cells(row)["throughput"] == f"overhead ≈0 (±{noise_pct(row):.0f}%) of step"
 
 
+
+def test_a_huge_spread_is_inconclusive_never_zero():
+    """The issue's row: medians 1.09 s vs 98.5 ms (+1007%), one fastspec repeat faster than the
+    slowest baseline one and one 40× slower (±3874%). The repeats overlap, but "≈0 (±3874%)"
+    reads as "no overhead" beside medians eleven times apart: it says inconclusive instead."""
+    row = _timed((0.090, 1.09, 3.7753), (0.095, 0.0985, 0.110), overhead=True)
+    assert f"{noise_pct(row):.0f}" == "3874" and row["overhead_pct"] == pytest.approx(1006.6, abs=0.1)
+    assert overhead_text(row) == "inconclusive (noisy: ±3874%)"
+    assert speedup_text(row) == "inconclusive (noisy: ±3874%)"
+    assert "≈" not in overhead_text(row) + speedup_text(row) + bench_cells(row)["throughput"]
+    text = bench_text([row])
+    assert "inconclusive (noisy: ±3874%)" in text and "≈0" not in text.split("\n\n")[0]
+    assert "inconclusive" in text.split("\n\n")[-1]  # the legend below says what it means
+
+
+@pytest.mark.parametrize("fast, base, noise", [
+    ((0.60, 0.681, 1.05), (0.70, 1.0, 1.20), 50),      # the widest spread that still reads ≈0
+    ((0.97, 1.00, 1.04), (0.98, 1.01, 1.03), 6),       # a tight one
+])
+def test_a_narrow_overlap_is_zero_a_wider_one_inconclusive(fast, base, noise):
+    row = _timed(fast, base, overhead=True)
+    assert (overhead_text(row), speedup_text(row)) == (f"≈0 (±{noise}%)", f"≈1× (±{noise}%)")
+    wider = _timed((fast[0] * 0.98, fast[1], fast[2]), base, overhead=True)  # ±51%: past NOISY_PCT
+    if noise == 50:
+        assert overhead_text(wider) == speedup_text(wider) == "inconclusive (noisy: ±51%)"
+
+
 @pytest.mark.parametrize("fast, base, overhead, speedup", [
     ((1.10, 1.20, 1.25), (0.95, 1.0, 1.05), "+20.0%", "0.83×"),   # every fastspec repeat slower
     ((0.40, 0.50, 0.55), (0.95, 1.0, 1.05), "-50.0%", "2.00×"),   # every one faster: a real speed-up
+    ((0.50, 1.09, 3.80), (0.095, 0.0985, 0.11), "+1006.6%", "0.09×"),  # wide, but 0 is outside it
 ])
 def test_a_difference_beyond_the_spread_prints_as_a_number(fast, base, overhead, speedup):
     row = _timed(fast, base, overhead=True)
@@ -227,7 +255,7 @@ def test_bench_text_is_one_narrow_table_per_baseline_with_notes_below():
     i = lines.index("train_step vs step without probe · error: |Δloss| with probe")
     assert lines[i + 1].split() == ["size", "variant", "fastspec", "baseline", "overhead", "error"]
     assert "≈0 (±" in lines[i + 3] and "-31.9" not in text
-    assert lines[-2].startswith("≈1× / ≈0: within noise")
+    assert text.split("\n\n")[-1].startswith("≈1× / ≈0: within noise")  # the legend, last
 
 
 # ------------------------------------------------------------------------- fastspec compare: the bound

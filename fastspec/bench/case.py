@@ -13,7 +13,8 @@ against an fp64 reference, or the PR difference against the hand-written protoco
 case by :meth:`Claim.violated`, so the two cannot disagree on what passes.
 Sizes come in three tiers (:data:`TIERS`):
 
-* ``quick``: seconds on a 2-core CPU; CI and the Triton interpreter.
+* ``quick``: tiny shapes, every suite in about 25 s on a 2-core CPU (``fastspec bench --quick``,
+  :data:`fastspec.commands.bench.QUICK_TIME`); CI and the Triton interpreter.
 * ``cpu``: the default without CUDA; scaled-down shapes with the same structure.
 * ``gpu``: the shapes the README claims (1.5B-model keys and FFN, 16384 matrices of 128×128).
 """

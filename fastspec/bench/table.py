@@ -13,14 +13,20 @@ BENCH_COLUMNS = ("suite", "size", "variant", "fastspec", "baseline", "baseline t
 COMPARE_COLUMNS = ("family", "n", "variant", "fastspec err", "torch fp32 err", "ratio", "bound")
 WIDTH = 100  # the terminal view's notes are wrapped to this; its tables stay near it (see bench_text)
 
+NOISY_PCT = 50  # the widest ±X% that still prints as ≈1× / ≈0; wider is "inconclusive"
+
 NOISE_RULE = (
     "Noise: a time difference counts only when the repeats of the two sides do not overlap (every "
-    "fastspec repeat faster than every baseline repeat, or every one slower). Otherwise the speedup "
-    "prints as ≈1× and the overhead as ≈0, with ±X%: X is the largest gap between a fastspec repeat "
-    "and a baseline repeat, (max ratio − 1) or (1 − min ratio). With a single repeat there is no "
-    "spread to judge by and the number says so.")
+    "fastspec repeat faster than every baseline repeat, or every one slower); then the number is "
+    "printed, however wide the spread. Otherwise ±X% is the largest gap between a fastspec repeat "
+    "and a baseline repeat, (max ratio − 1) or (1 − min ratio), and the speedup prints as ≈1× and "
+    f"the overhead as ≈0 (±X%) when X ≤ {NOISY_PCT}, or as 'inconclusive (noisy: ±X%)' when X > "
+    f"{NOISY_PCT}: the repeats then allow no difference and a large one alike, so neither ≈0 nor the "
+    "medians' difference can be trusted (rerun with more --repeats, or --threads 1 on a shared "
+    "machine). With a single repeat there is no spread to judge by and the number says so.")
 NOISE_LEGEND = ("≈1× / ≈0: within noise, the repeats of fastspec and of the baseline overlap; ±X% is the "
-                "largest gap between one of each (fastspec bench --help).")
+                f"largest gap between one of each. inconclusive (noisy: ±X%): they overlap, but X > {NOISY_PCT}: "
+                "the medians beside it are no measure of the difference either (fastspec bench --help).")
 
 
 def fmt_time(s: float | None) -> str:
@@ -55,22 +61,46 @@ def noise_pct(row: dict) -> float | None:
     return 100 * max(1 - band[0], band[1] - 1)
 
 
+def _within_noise(row: dict, same: str) -> str | None:
+    """The text of a difference within noise, or None when the number stands (:data:`NOISE_RULE`).
+
+    Three cases, by the band ``[lo, hi]`` of fastspec/baseline time ratios over the repeats
+    (:func:`time_ratio_band`) and ``X = noise_pct(row)``:
+
+    * the band excludes 1 (no overlap): None, the medians' number is printed however wide the band;
+    * it contains 1 and ``X ≤ NOISY_PCT``: ``same`` with ``(±X%)`` (``≈0 (±12%)``): no difference
+      is possible and any there is lies within ±X%;
+    * it contains 1 and ``X > NOISY_PCT``: ``inconclusive (noisy: ±X%)``: both "no difference" and
+      a large one fit the repeats. (Inside the band the medians' own difference is at most X, so a
+      spread this wide also exceeds the estimate it would qualify: ``≈0 (±3874%)`` beside medians
+      of 1.09 s and 98.5 ms said "no overhead" where the measurement says nothing.)
+
+    X is compared as printed (rounded to a whole percent), so ``±50%`` is the last ≈ and ``±51%``
+    the first inconclusive."""
+    noise = noise_pct(row)
+    if noise is None:
+        return None
+    if round(noise) > NOISY_PCT:
+        return f"inconclusive (noisy: ±{noise:.0f}%)"
+    return f"{same} (±{noise:.0f}%)"
+
+
 def _single(row: dict) -> str:
     # a row with the spread fields but one repeat: no noise estimate, and the reader is told
     return " (1 repeat)" if row.get("repeats") == 1 and "fastspec_min_s" in row else ""
 
 
 def speedup_text(row: dict) -> str:
-    """``baseline_s / fastspec_s`` as ``1.82×``, or ``≈1× (±12%)`` within noise."""
-    noise = noise_pct(row)
-    return f"≈1× (±{noise:.0f}%)" if noise is not None else f"{row['speedup']:.2f}×{_single(row)}"
+    """``baseline_s / fastspec_s`` as ``1.82×``; within noise ``≈1× (±12%)``, or ``inconclusive
+    (noisy: ±80%)`` when the spread is too wide for that (:func:`_within_noise`)."""
+    return _within_noise(row, "≈1×") or f"{row['speedup']:.2f}×{_single(row)}"
 
 
 def overhead_text(row: dict) -> str:
-    """``overhead_pct`` as ``+68.1%``, or ``≈0 (±12%)`` within noise (never a negative number
-    that the noise allows: that would read as a speed-up the probe cannot give)."""
-    noise = noise_pct(row)
-    return f"≈0 (±{noise:.0f}%)" if noise is not None else f"{row['overhead_pct']:+.1f}%{_single(row)}"
+    """``overhead_pct`` as ``+68.1%``; within noise ``≈0 (±12%)``, or ``inconclusive (noisy:
+    ±3874%)`` when the spread is too wide for ≈0 (:func:`_within_noise`). Never a negative number
+    that the noise allows: that would read as a speed-up the probe cannot give."""
+    return _within_noise(row, "≈0") or f"{row['overhead_pct']:+.1f}%{_single(row)}"
 
 
 def bench_cells(row: dict) -> dict[str, str]:
@@ -238,7 +268,7 @@ def bench_text(rows: list[dict], width: int = WIDTH) -> str:
             header = {"rate": " / ".join(units), "error": "error (baseline)" if any(
                 r.get("baseline_error") is not None for r in group) else "error"}
             cells = [{header.get(c, c): x.get(c, "") for c in cols} for x in cells]
-            noisy = noisy or any(x.startswith("≈") for c in cells for x in c.values())
+            noisy = noisy or any(x.startswith(("≈", "inconclusive")) for c in cells for x in c.values())
             out += ["", f"{suite} vs {baseline} · error: {kind}",
                     render_text(tuple(header.get(c, c) for c in cols), cells, indent="  ",
                                 right=("fastspec", "baseline", "speedup", "overhead"))]
