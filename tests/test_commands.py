@@ -1,9 +1,11 @@
 """``fastspec precompile`` (:mod:`fastspec.commands.precompile`): bad flags are one-line usage
 errors naming the flag, the work is the library's, and ``python -m fastspec.eig.precompile`` is
-the same command. (Every command's ``--help`` staying light is tests/test_imports.py; the other
-commands have their own test files.)"""
+the same command. Also what every command's ``--help`` promises about time. (Every command's
+``--help`` staying light is tests/test_imports.py; the other commands have their own test files.)"""
 from __future__ import annotations
 
+import importlib
+import re
 import subprocess
 import sys
 
@@ -64,3 +66,41 @@ def test_precompile_fills_the_cache_and_the_module_runs_the_same_command(tmp_pat
     bad = subprocess.run([sys.executable, "-m", "fastspec.eig.precompile", "--arch", "91"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "fastspec precompile: error: argument --arch" in bad.stderr
+
+
+# ------------------------------------------------------------------ what --help promises about time
+def _subparser(command: str):
+    from fastspec.cli import build_parser
+
+    parser = build_parser((command,))
+    return next(a for a in parser._actions if a.dest == "command").choices[command]
+
+
+def _help(command: str) -> str:
+    return " ".join(_subparser(command).format_help().split())  # argparse wraps lines: compare the words
+
+
+def _quick_help(command: str) -> str:
+    return next(a.help for a in _subparser(command)._actions if "--quick" in a.option_strings)
+
+
+@pytest.mark.parametrize("command", ["bench", "compare", "demo"])
+def test_quick_help_states_the_measured_time(command):
+    """--quick promised "seconds on a CPU" (bench: 24 s measured on a 2-core CPU, 2.5 minutes on
+    a newcomer's busy one), "well under a second" (compare: 3 s) and "seconds" (demo: 8 s): each
+    command now states what was measured, in one constant, QUICK_TIME, beside how it was measured."""
+    module = importlib.import_module(f"fastspec.commands.{command}")
+    stated = module.QUICK_TIME
+    assert re.search(r"\b(about|under|up to)\b", stated) and "2-core CPU" in stated, stated
+    assert stated in _quick_help(command)
+
+
+def test_no_help_promises_seconds_for_a_run():
+    """No command's help claims a sub-second or seconds-long run: the old wordings are gone, and
+    any new time claim goes through a QUICK_TIME constant (above)."""
+    from fastspec.cli import COMMANDS
+
+    for command in COMMANDS:
+        text = _help(command)
+        for claim in ("under a second", "seconds on a CPU", "(seconds)", "runs in seconds"):
+            assert claim not in text, (command, claim, text)

@@ -42,8 +42,12 @@ def deadline_of(args: argparse.Namespace) -> float | None:
 
 
 def check_json_path(path: Path | None) -> None:
-    """``--json PATH`` can be written: not a directory, and its nearest existing folder is a
-    writable directory (checked before a run, which would otherwise fail only at its end)."""
+    """``--json PATH`` can be written: not a directory, and a file can be made in its folder,
+    which is created if missing (checked before a run, whose first rewrite of the file would
+    otherwise raise after the header; tried for real by :func:`._paths.unwritable`, which leaves
+    nothing behind: permission bits say yes to root even in ``/proc``)."""
+    from ._paths import unwritable
+
     if path is None:
         return
     if path.is_dir():
@@ -53,8 +57,9 @@ def check_json_path(path: Path | None) -> None:
         parent = parent.parent
     if not parent.is_dir():
         raise ValueError(f"--json: expected a path under a directory, but {parent} is a file")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"--json: expected a writable location, {parent} is not writable")
+    reason = unwritable(path.parent)
+    if reason is not None:
+        raise ValueError(f"--json: {reason}")
 
 
 def parse_device(text: str | None):

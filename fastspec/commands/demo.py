@@ -7,9 +7,12 @@ import sys
 import time
 from pathlib import Path
 
-# --quick: two layers of width 64 on short sequences, a handful of steps; runs in seconds
+# --quick: two layers of width 64 on short sequences, a handful of steps
 QUICK = dict(d_model=64, layers=2, heads=4, kv_heads=2, seq_len=64, steps=8, batch_size=8,
              probe_every=4, warmup=2, corpus_bytes=400_000)
+# What --quick costs, said in its help (one place, tests/test_commands.py checks the help uses it).
+# Measured: 7.7 s on a shared 2-core AMD EPYC, start-up and report included. (It said "seconds".)
+QUICK_TIME = "about 10 s on a 2-core CPU"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -17,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--out", type=Path, default=None,
                    help="run folder (default: ./fastspec_runs/<timestamp>)")
-    p.add_argument("--quick", action="store_true", help="tiny run (seconds) that still writes every artifact")
+    p.add_argument("--quick", action="store_true", help=f"tiny run ({QUICK_TIME}) that still writes every artifact")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: cpu)")
     p.add_argument("--layers", type=int, help="decoder layers (default 4)")
     p.add_argument("--d-model", type=int, help="model width (default 128)")
@@ -78,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     from ..cli import show_tracebacks
     from ..demo.train import check_out_dir, run_demo
     from ..report import run_findings
+    from ._paths import unwritable
 
     out = args.out or Path("fastspec_runs") / time.strftime("%Y%m%d-%H%M%S")
     try:  # user errors: one line on stderr, exit code 2, nothing written
@@ -86,6 +90,11 @@ def run(args: argparse.Namespace) -> int:
             check_out_dir(out)
         except ValueError as e:
             raise ValueError(_as_flag(str(e))) from None
+        # last: it creates the folder for a moment (and removes it), so only once all else holds;
+        # without it, an --out nobody can create is a traceback after the header line
+        reason = unwritable(out)
+        if reason is not None:
+            raise ValueError(f"--out: {reason}")
     except ValueError as e:
         print(f"fastspec demo: {e}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -12,7 +13,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..report import write_report
+    from ._paths import unwritable
 
+    run_dir = Path(args.run_dir)
+    if (run_dir / "records.jsonl").is_file():  # else write_report says what is missing
+        # report.md goes in the run folder, the plots in plots/: checked before any is drawn, so a
+        # folder that can be read but not written is one line here, not a traceback from the plots
+        for folder in (run_dir, run_dir / "plots"):
+            reason = unwritable(folder)
+            if reason is not None:
+                print(f"fastspec report: run_dir: {reason}", file=sys.stderr)
+                return 2
     try:
         path = write_report(args.run_dir)
     except FileNotFoundError as e:  # a user error: one line, no traceback

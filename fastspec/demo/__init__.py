@@ -6,7 +6,7 @@ post-RoPE key PR per head and FFN post-activation metrics on a fixed held-out ba
 folder gets records, plots and a Markdown report (see :mod:`fastspec.report`).
 
     fastspec demo                     # a few minutes on a 2-core CPU
-    fastspec demo --quick             # seconds, for tests
+    fastspec demo --quick             # about 10 s on a 2-core CPU, for tests
     fastspec demo --device cuda --layers 12 --d-model 768 --heads 12 --kv-heads 4 --seq-len 1024 --steps 3000
 """
 from __future__ import annotations
