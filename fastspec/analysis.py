@@ -42,6 +42,8 @@ __all__ = [
     "summary_table",
     "layer_table",
     "layer_zones",
+    "layer_changes",
+    "compare_changes",
     "width_fits",
     "utilization_slopes",
     "tail_fits",
@@ -272,6 +274,107 @@ def layer_zones(records, site: str = KEY_SITE, metric: str = KEY_METRIC, n_zones
             rows.append({"condition": cond, "zone": name, "layers": _span(chunk),
                          "initial": a, "final": b, "ratio": b / a})
     return pd.DataFrame(rows)
+
+
+def _t_halfwidth(se: float, n: int, level: float) -> float:
+    """Half-width of the two-sided ``level`` Student-t interval of a mean of ``n`` units with
+    standard error ``se`` (NaN below 2 units)."""
+    from scipy import stats
+
+    if n < 2 or not np.isfinite(se):
+        return float("nan")
+    return float(stats.t.ppf((1 + level) / 2, n - 1) * se)
+
+
+def _mean_se(v: np.ndarray) -> tuple[float, float]:
+    """Mean and standard error (sample std with ddof=1 over √n; NaN below 2 values) of ``v``."""
+    if len(v) == 0:
+        return float("nan"), float("nan")
+    return float(np.mean(v)), float(np.std(v, ddof=1) / np.sqrt(len(v))) if len(v) >= 2 else float("nan")
+
+
+def _per_layer_changes(lm: pd.DataFrame) -> dict[str, tuple[int, int, pd.Series, pd.Series]]:
+    """Per condition: its first and last probe steps and the per-layer values there."""
+    out = {}
+    for cond, g in lm.groupby("condition", sort=False):
+        first, last = g["step"].min(), g["step"].max()
+        by_step = g.set_index("layer").groupby(g["step"].to_numpy())["value"]
+        out[cond] = (int(first), int(last), by_step.get_group(first), by_step.get_group(last))
+    return out
+
+
+def layer_changes(records, site: str = KEY_SITE, metric: str = KEY_METRIC, protocol=AUTO,
+                  level: float = 0.95) -> pd.DataFrame:
+    """Each condition's change from its own first probe to its last, with its uncertainty over layers.
+
+    The units are the layers: a layer's change is ``final_l − initial_l`` of its head mean at the
+    condition's last and first probe; ``change`` is their mean over the ``n_layers`` layers finite
+    at both probes (the whole-model ``final − initial`` when every layer is), ``se`` their standard
+    error (std with ddof=1 over √L) and ``ci_low``/``ci_high`` the two-sided ``level`` interval
+    ``change ± t·se`` (Student's t with L − 1 degrees of freedom). The spread is that of the
+    layers' changes: how consistently the layers moved, not seed-to-seed noise. ``se`` and the
+    interval are NaN with fewer than 2 layers.
+
+    Columns: condition, initial_step, final_step, initial, final (whole-model means: mean over
+    layers at the first/last probe), change, se, ci_low, ci_high, n_layers.
+    """
+    level = _args.real("level", level, "a level in (0, 1)", lambda c: 0 < c < 1)
+    lm = layer_means(records, site, metric, protocol)
+    rows = []
+    for cond, (first, last, a, b) in _per_layer_changes(lm).items():
+        d = (b - a).dropna().to_numpy(dtype=float)
+        d = d[np.isfinite(d)]
+        change, se = _mean_se(d)
+        hw = _t_halfwidth(se, len(d), level)
+        rows.append({"condition": cond, "initial_step": first, "final_step": last,
+                     "initial": float(a.mean()) if len(a) else float("nan"),
+                     "final": float(b.mean()) if len(b) else float("nan"),
+                     "change": change, "se": se, "ci_low": change - hw, "ci_high": change + hw,
+                     "n_layers": len(d)})
+    return pd.DataFrame(rows, columns=["condition", "initial_step", "final_step", "initial", "final", "change",
+                                       "se", "ci_low", "ci_high", "n_layers"])
+
+
+def compare_changes(records, site: str = KEY_SITE, metric: str = KEY_METRIC, reference: str | None = None,
+                    protocol=AUTO, level: float = 0.95) -> pd.DataFrame:
+    """Each condition compared with ``reference`` (default: the first condition in run order) by
+    its change from its own first probe (:func:`layer_changes`), not by its final value.
+
+    Paired by layer (conditions of one study share layer indices, seed and data): per layer
+    ``diff_l = change_l(condition) − change_l(reference)`` over the layers finite in both;
+    ``diff`` is their mean, ``se`` their standard error (std with ddof=1 over √L) and
+    ``ci_low``/``ci_high`` the two-sided ``level`` Student-t interval (L − 1 degrees of freedom;
+    NaN with fewer than 2 layers). ``initial_gap``/``final_gap``: the whole-model difference
+    (condition − reference) at the first and at the last probe, so that ``final_gap =
+    initial_gap + diff`` when every layer is finite; ``share_at_start = initial_gap / final_gap``
+    is how much of the final gap was there before training (NaN when the final gap is 0).
+
+    Columns: condition, reference, initial_gap, final_gap, share_at_start, diff, se, ci_low,
+    ci_high, n_layers. No rows with a single condition.
+    """
+    level = _args.real("level", level, "a level in (0, 1)", lambda c: 0 < c < 1)
+    lm = layer_means(records, site, metric, protocol)
+    per = _per_layer_changes(lm)
+    if reference is None:
+        reference = next(iter(per), None)
+    elif reference not in per:
+        raise ValueError(f"reference: {reference!r} not in records ({list(per)})")
+    rows = []
+    for cond, (_, _, a, b) in per.items():
+        if cond == reference:
+            continue
+        ra, rb = per[reference][2], per[reference][3]
+        d = ((b - a) - (rb - ra)).dropna().to_numpy(dtype=float)
+        d = d[np.isfinite(d)]
+        diff, se = _mean_se(d)
+        hw = _t_halfwidth(se, len(d), level)
+        initial_gap, final_gap = float(a.mean() - ra.mean()), float(b.mean() - rb.mean())
+        share = initial_gap / final_gap if final_gap != 0 and np.isfinite(final_gap) else float("nan")
+        rows.append({"condition": cond, "reference": reference, "initial_gap": initial_gap, "final_gap": final_gap,
+                     "share_at_start": share, "diff": diff, "se": se, "ci_low": diff - hw, "ci_high": diff + hw,
+                     "n_layers": len(d)})
+    return pd.DataFrame(rows, columns=["condition", "reference", "initial_gap", "final_gap", "share_at_start",
+                                       "diff", "se", "ci_low", "ci_high", "n_layers"])
 
 
 def _per_width_layers(df: pd.DataFrame, metric: str, site: str, width_col: str, step,

@@ -318,3 +318,58 @@ def test_site_dimension_from_ghost_dims_or_utilization():
     assert analysis.site_dimension(pr) is None
     mixed = ghost[:2] + [{**r, "value": 32 - r["value"] + 16} for r in ghost[2:]]  # widths differ (a sweep)
     assert analysis.site_dimension(pr + mixed) is None
+
+
+def _changes_study():
+    """Per-layer head means of known changes: "a" starts at 10 + l and moves by −(1 + l);
+    "b" starts 2 lower and moves by −(1 + l) − 0.5 + 0.1·(−1)^l."""
+    recs = []
+    for cond, start, extra in (("a", 0.0, lambda l: 0.0), ("b", -2.0, lambda l: -0.5 + 0.1 * (-1) ** l)):
+        for step in (0, 10, 20):
+            for layer in range(4):
+                v0 = 10 + layer + start
+                v = v0 if step == 0 else v0 - (1 + layer) * step / 20 + (extra(layer) if step == 20 else 0.0)
+                recs += _records({(step, layer, 0): v - 0.3, (step, layer, 1): v + 0.3}, condition=cond)
+    return recs
+
+
+def test_layer_changes_are_per_layer_changes_with_their_standard_error():
+    """Each layer's change (last − first probe) is one unit: change = mean over layers, se = std
+    (ddof=1) / √L, and the 95% Student-t interval (3 degrees of freedom: t = 3.182)."""
+    t = analysis.layer_changes(_changes_study()).set_index("condition")
+    da = -np.array([1.0, 2.0, 3.0, 4.0])
+    db = da - 0.5 + 0.1 * np.array([1, -1, 1, -1])
+    for cond, d, first in (("a", da, 11.5), ("b", db, 9.5)):
+        row = t.loc[cond]
+        assert row["change"] == pytest.approx(d.mean())
+        assert row["se"] == pytest.approx(d.std(ddof=1) / 2)
+        assert (row["ci_low"], row["ci_high"]) == pytest.approx((d.mean() - 3.1824463 * row["se"],
+                                                                 d.mean() + 3.1824463 * row["se"]))
+        assert row["initial"] == pytest.approx(first) and row["final"] == pytest.approx(first + d.mean())
+        assert (row["initial_step"], row["final_step"], row["n_layers"]) == (0, 20, 4)
+    one = analysis.layer_changes([r for r in _changes_study() if r["layer"] == 0]).set_index("condition")
+    assert one.loc["a", "change"] == pytest.approx(-1.0) and math.isnan(one.loc["a", "se"])
+    with pytest.raises(ValueError, match="level"):
+        analysis.layer_changes(_changes_study(), level=95)
+
+
+def test_compare_changes_pairs_the_layers_and_splits_the_final_gap():
+    """b vs a: the difference of changes is paired by layer (diff_l = −0.5 ± 0.1), the final gap
+    (−2.5) = the gap at the first probe (−2) + the difference of changes (−0.5): 80% was there
+    before training."""
+    t = analysis.compare_changes(_changes_study())
+    assert list(t["condition"]) == ["b"] and list(t["reference"]) == ["a"]
+    row = t.iloc[0]
+    d = -0.5 + 0.1 * np.array([1, -1, 1, -1])
+    assert row["diff"] == pytest.approx(-0.5) and row["se"] == pytest.approx(d.std(ddof=1) / 2)
+    assert row["initial_gap"] == pytest.approx(-2.0) and row["final_gap"] == pytest.approx(-2.5)
+    assert row["share_at_start"] == pytest.approx(0.8)
+    assert row["ci_low"] < -0.5 < row["ci_high"] and row["n_layers"] == 4
+    # the paired SE (0.058) is far smaller than the unpaired one: the layers' own spread cancels
+    unpaired = np.hypot(*analysis.layer_changes(_changes_study())["se"])
+    assert row["se"] < unpaired / 10
+    flipped = analysis.compare_changes(_changes_study(), reference="b").iloc[0]
+    assert flipped["condition"] == "a" and flipped["diff"] == pytest.approx(0.5)
+    assert analysis.compare_changes([r for r in _changes_study() if r["condition"] == "a"]).empty
+    with pytest.raises(ValueError, match="reference"):
+        analysis.compare_changes(_changes_study(), reference="c")
