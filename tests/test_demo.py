@@ -89,13 +89,18 @@ def test_quick_demo_writes_every_artifact(quick_run):
     d_head = config["model"]["d_model"] // config["model"]["heads"]
     prs = [r["value"] for r in records if r["site"] == "keys" and r["metric"] == "participation_ratio"]
     assert prs and all(1 <= v <= d_head for v in prs)
-    with np.load(out / "spectra.npz") as z:
+    with np.load(out / "spectra.npz") as z:  # FFN eigenvalues [d_ff], key singular values [kv_heads, d_head]
         assert {k.split("/")[0] for k in z.files} == set(CONDITIONS)
-        assert all(z[k].ndim == 1 and np.all(np.diff(z[k]) <= 0) for k in z.files)
+        assert {k.split("/")[1] for k in z.files} == {"ffn", "keys"}
+        kv_heads = config["model"]["kv_heads"]
+        for k in z.files:
+            assert z[k].shape == ((config["model"]["d_ff"],) if "/ffn/" in k else (kv_heads, d_head)), k
+            assert np.all(np.diff(z[k], axis=-1) <= 0), k
     pngs = sorted((out / "plots").glob("*.png"))
     stems = {p.stem for p in pngs}
     assert {"key_pr_trajectory", "key_pr_heatmap", "key_pr_layers", "ffn_pr_trajectory"} <= stems
-    assert any(s.startswith("spectrum_ffn") for s in stems) and any(s.startswith("cumvar_ffn") for s in stems)
+    for site in ("ffn", "keys"):  # keys are the subject: their spectra are plotted too
+        assert any(s.startswith(f"spectrum_{site}") for s in stems) and any(s.startswith(f"cumvar_{site}") for s in stems)
     assert all(_png_ok(p) for p in pngs)
     report = (out / "report.md").read_text()
     assert all(f"]({'plots/' + p.name})" in report for p in pngs)
@@ -235,6 +240,53 @@ def test_demo_refuses_to_overwrite_a_run(quick_run, capsys):
     assert (out / "records.jsonl").read_bytes() == before
 
 
+
+def _unwritable_outs(tmp_path: Path) -> list[Path]:
+    """Run folders no user can create, root included: one under a regular file and, where /proc
+    is mounted, one in /proc (its top level takes no new names, whatever the permissions say)."""
+    afile = tmp_path / "file.txt"
+    afile.write_text("x")
+    return [afile / "run"] + ([Path("/proc/nope/run")] if Path("/proc/self").exists() else [])
+
+
+def test_demo_refuses_an_out_folder_it_cannot_write_before_training(tmp_path, capsys, monkeypatch):
+    """An --out that cannot be created or written is a one-line error naming --out, exit code 2,
+    found before the header line and before anything trains (was: a header, then a traceback)."""
+    import fastspec.demo.train as train
+
+    monkeypatch.setattr(train, "run_demo", lambda *a, **kw: pytest.fail("trained before checking --out"))
+    for out in _unwritable_outs(tmp_path):
+        assert main(["demo", "--quick", "--no-progress", "--out", str(out)]) == 2, out
+        err = _one_line_error(capsys, "fastspec demo: --out: ")
+        assert str(out) in err and not out.exists()
+    assert (tmp_path / "file.txt").read_text() == "x"
+
+
+def test_demo_out_check_leaves_no_trace(tmp_path, capsys, monkeypatch):
+    """The check makes the missing folders and a probe file for real, then removes them: a run
+    refused for another reason, or a library run_demo, finds the place as it was."""
+    import fastspec.demo.train as train
+
+    seen = []
+    monkeypatch.setattr(train, "run_demo", lambda cfg, out, **kw: seen.append(sorted(tmp_path.rglob("*")))
+                        or (out, "completed"))
+    monkeypatch.setattr("fastspec.report.run_findings", lambda run_dir: None)
+    out = tmp_path / "a" / "b" / "run"
+    assert main(["demo", "--quick", "--no-progress", "--out", str(out)]) == 0
+    assert seen == [[]]  # checked, and nothing left behind for run_demo to find
+    capsys.readouterr()
+
+
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="needs /proc")
+def test_demo_out_in_proc_is_one_line_without_traceback_in_a_real_process():
+    """The issue's command line as a user runs it: nothing but the error line on stderr."""
+    proc = subprocess.run([sys.executable, "-m", "fastspec", "demo", "--quick", "--no-progress", "--out",
+                           "/proc/nope/run"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == "" and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("fastspec demo: --out: ") and "Traceback" not in proc.stderr
+
+
 def test_flags_build_the_config():
     from fastspec.cli import build_parser
     from fastspec.commands.demo import config_from_args
@@ -320,31 +372,38 @@ ONE_SEED = {"train": {"seed": 0}}
 def test_findings_name_a_clear_collapse():
     rows = _study({"steady": lambda s, l: 12 + 0.5 * l, "collapse": lambda s, l: (12 + 0.5 * l) * (1 - 0.0075 * s)})
     f = findings(rows, ONE_SEED)
-    # whole-model means: 12.75 throughout for steady; 12.75 -> 12.75 * 0.25 = 3.1875 for collapse
-    assert f.lines() == ["steady: 12.75 → 12.75 (+0.0%), steps 0–100", "collapse: 12.75 → 3.19 (−75.0%), steps 0–100"]
-    assert f.finding == ("Key PR fell most in collapse: 12.75 → 3.19 (−75.0%) between steps 0 and 100 "
-                         "(others: steady +0.0%).")
+    # whole-model means: 12.75 throughout for steady; 12.75 -> 12.75 * 0.25 = 3.1875 for collapse, whose
+    # layers change by -0.75 * (12 + 0.5 l) = -9, -9.375, -9.75, -10.125: mean -9.56, SE 0.24 over layers
+    assert f.lines() == ["steady: 12.75 → 12.75 (change 0.00 ± 0.00, 0.0%), steps 0–100",
+                         "collapse: 12.75 → 3.19 (change −9.56 ± 0.24, −75.0%), steps 0–100"]
+    assert f.finding == ("Key PR fell in collapse (−9.56 ± 0.24) and did not change in steady (0.00 ± 0.00). "
+                         "Largest change in collapse: 12.75 → 3.19 (−75.0%) between steps 0 and 100. Compared by "
+                         "these changes, collapse differs from steady beyond this run's precision (below).")
     assert f.ceiling == ("Ceiling: a head's key PR is at most d_head = 16; the means sit at 80% of it at the "
                          "first probe and at 20–80% at the last.")
     assert f.caveats[0].startswith("One seed per condition: a single seed cannot separate")
-    # step-to-step: std of collapse's last 4 probes 12.75 * 0.75 * std(.7, .8, .9, 1) = 1.07;
-    # layer-to-layer: std of the per-layer differences -0.75 * (12 + 0.5 l) = 0.42
-    assert f.caveats[1] == ("collapse vs steady: the final difference in key PR is −9.56 (−75.0%), larger than "
-                            "the run's spread (step-to-step 1.07, layer-to-layer 0.42).")
+    # paired by layer: the differences of changes are collapse's own, 95% t interval ±3.18 SE
+    assert f.comparison_lines() == [(
+        "collapse vs steady: final gap −9.56 (−75.0%), none of it there at step 0 (the same start); difference "
+        "of changes −9.56 ± 0.24 (95% CI −10.33 to −8.79): a clear difference at this run's precision.")]
     assert not any("γ" in c for c in f.caveats)  # no γ records, no γ caveat
-    rose = findings(_study({"flat": lambda s, l: 5.0, "grows": lambda s, l: 5.0 + s / 50}), ONE_SEED)
-    assert rose.finding.startswith("Key PR rose in every condition, most in grows: 5.00 → 7.00 (+40.0%)")
+    rose = findings(_study({"flat": lambda s, l: 5.0 + l, "grows": lambda s, l: 5.0 + l + s / 50 + s * l / 500}),
+                    ONE_SEED)
+    # grows: layers rise by 2 + l / 5 -> mean 2.30, SE std(0, .2, .4, .6) / 2 = 0.13
+    assert rose.finding.startswith("Key PR rose in grows (+2.30 ± 0.13) and did not change in flat (0.00 ± 0.00). "
+                                   "Largest change in grows: 6.50 → 8.80 (+35.4%)")
 
 
-@pytest.mark.parametrize("factor, verdict", [(1.005, ", within the run's spread"), (1.5, ", larger than the run's spread")])
-def test_findings_weigh_a_difference_against_the_runs_spread(factor, verdict):
-    """Two conditions 0.5% apart while each moves by ~0.2 between its last probes: not
-    distinguishable; 50% apart: larger than that spread."""
+@pytest.mark.parametrize("factor, verdict", [(1.005, "a near-tie: indistinguishable at this run's precision"),
+                                             (1.5, "a clear difference at this run's precision")])
+def test_findings_compare_conditions_by_their_changes(factor, verdict):
+    """Two conditions whose changes differ by 0.5% in every layer: a near-tie (under 1% of the
+    reference's first value), not an effect; 50% apart: a clear difference."""
     a = lambda s, l: 10 - 0.02 * s + 0.3 * l + 0.1 * (-1) ** (s // 10)  # noqa: E731
     f = findings(_study({"a": a, "b": lambda s, l: factor * a(s, l)}), ONE_SEED)
-    (pair,) = [c for c in f.caveats if c.startswith("b vs a")]
-    assert verdict in pair
-    assert ("not distinguishable in this run" in pair) == (factor < 1.1)
+    (pair,) = [c for c in f.comparison_lines() if c.startswith("b vs a")]
+    assert pair.endswith(verdict + ".")
+    assert ("indistinguishable at this run's precision" in pair) == (factor < 1.1)
 
 
 @pytest.mark.parametrize("final_cv, told_apart", [(0.04, False), (0.3, True)])
@@ -395,7 +454,7 @@ def test_quick_demo_prints_the_reports_findings(quick_run):
     assert f.text() in printed  # the terminal summary is the report's findings, same numbers
     report = (out / "report.md").read_text()
     assert f.markdown() in report and report.index("## Findings") < report.index("## Key rank")
-    for line in [*f.lines(), f.finding, f.ceiling, *f.caveats]:
+    for line in [*f.lines(), f.finding, f.comparison_header(), *f.comparison_lines(), f.ceiling, *f.caveats]:
         assert line in printed and line in report
     assert "d_head = 16" in f.ceiling and "One seed per condition" in f.caveats[0]
     assert "| condition | zone | layers |" in report and "| early | 0 |" in report  # one-layer zones read "0"
@@ -447,6 +506,19 @@ def test_report_of_a_missing_folder_is_a_one_line_error(tmp_path, capsys):
     _one_line_error(capsys, "fastspec report: run_dir: ")
     assert main(["report", str(tmp_path)]) == 2  # a folder without records.jsonl
     assert "no records.jsonl" in _one_line_error(capsys, "fastspec report: run_dir: ")
+
+
+
+def test_report_into_a_folder_it_cannot_write_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    """A run folder that can be read but not written (here its plots/ is a file, which stops root
+    too): one line naming run_dir, exit code 2, checked before any plot is drawn (was: a
+    traceback from the plots' mkdir)."""
+    run = _write_run(tmp_path / "run", _study({"a": lambda s, l: 6.0 - s / 50}))
+    (run / "plots").write_text("x")
+    monkeypatch.setattr("fastspec.report.write_report", lambda *a: pytest.fail("wrote before checking"))
+    assert main(["report", str(run)]) == 2
+    err = _one_line_error(capsys, "fastspec report: run_dir: ")
+    assert "plots" in err and (run / "plots").read_text() == "x" and not (run / "report.md").exists()
 
 
 @pytest.mark.parametrize("flags, flag", [

@@ -200,11 +200,12 @@ def _train_condition(condition: str, cfg: DemoConfig, train_tokens, batch_eval: 
 
 
 def _final_spectra(condition: str, probe, batch: dict) -> dict[str, np.ndarray]:
-    """FFN post-activation covariance spectra (``eig``, docs/protocols.md) per layer, for the
-    spectrum plots: ``{"<condition>/ffn/layer<l>": λ descending [d_ff]}`` from one eval forward
-    of the probe (:meth:`fastspec.Probe.spectra`)."""
-    return {f"{condition}/ffn/layer{layer}": spec.cpu().numpy()
-            for (site, layer), spec in probe.spectra(batch).items() if site == "ffn"}
+    """Every probed site's spectra per layer, for the spectrum plots, from one eval forward of
+    the probe (:meth:`fastspec.Probe.spectra`): ``{"<condition>/<site>/layer<l>": ...}`` with the
+    FFN post-activation covariance eigenvalues (``eig``, docs/protocols.md) ``λ [d_ff]`` and the
+    post-RoPE keys' singular values (``sv``) per KV head ``σ [kv_heads, d_head]``, descending."""
+    return {f"{condition}/{site}/layer{layer}": spec.cpu().numpy()
+            for (site, layer), spec in probe.spectra(batch).items()}
 
 
 def run_demo(cfg: DemoConfig, out_dir, *, progress: bool = True) -> tuple[Path, str]:
