@@ -281,7 +281,7 @@ def _headline(rows: list[dict], comparisons: list[dict], name: str) -> str:
     cap = name[0].upper() + name[1:]
     if not rows:
         return f"No condition has a finite {name} at its first and last probe."
-    span = lambda r: (f"{_num(r['initial'])} → {_num(r['final'])}, change {_pm(r['change'], r['se'])}"  # noqa: E731
+    span = lambda r: (f"{_num(r['initial'])} → {_num(r['final'])}, change {_pm(r['change'], r['se'])}"
                       + (f" ({_pct(r['relative'])})" if math.isfinite(r["relative"]) else "")
                       + f" between steps {r['initial_step']} and {r['final_step']}")
     if len(rows) == 1:
@@ -290,7 +290,7 @@ def _headline(rows: list[dict], comparisons: list[dict], name: str) -> str:
         return f"{cap} {verb}: {span(r)}."
     fell = [r for r in rows if r["change"] < 0]
     rose = [r for r in rows if r["change"] > 0]
-    short = lambda r: f"{r['condition']} ({_pm(r['change'], r['se'])})"  # noqa: E731
+    short = lambda r: f"{r['condition']} ({_pm(r['change'], r['se'])})"
     if len(fell) == len(rows) or len(rose) == len(rows):
         top = min(rows, key=lambda r: r["change"]) if fell else max(rows, key=lambda r: r["change"])
         others = ", ".join(f"{r['condition']} {_pm(r['change'], r['se'])}" for r in rows if r is not top)
@@ -431,8 +431,8 @@ def findings(records, config: dict | None = None, *, site: str = "keys", metric:
     D = dimension or analysis.site_dimension(df, site, protocol) or _config_dimension(config, site)
     if D and ok and metric in analysis.BOUNDED:
         unit = ("a layer's" if site == "ffn" else "a head's", analysis.dimension_name(site))
-        share = lambda k: sorted(100 * r[k] / D for r in ok)  # noqa: E731
-        span = lambda v: f"{v[0]:.0f}%" if round(v[0]) == round(v[-1]) else f"{v[0]:.0f}–{v[-1]:.0f}%"  # noqa: E731
+        share = lambda k: sorted(100 * r[k] / D for r in ok)
+        span = lambda v: f"{v[0]:.0f}%" if round(v[0]) == round(v[-1]) else f"{v[0]:.0f}–{v[-1]:.0f}%"
         ceiling = (f"Ceiling: {unit[0]} {name} is at most {unit[1]} = {D}; the means sit at {span(share('initial'))} "
                    f"of it at the first probe and at {span(share('final'))} at the last.")
     caveats = []

@@ -18,7 +18,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
 DOC_PAGES = ("README.md", "accumulators.md", "conventions.md", "metrics.md", "fits.md",
-             "protocols.md", "environment.md", "kernels.md", "alerts.md")
+             "protocols.md", "environment.md", "kernels.md", "alerts.md", "analysis.md")
 
 
 def _files(*patterns: str, exclude: Iterable[Path] = ()) -> list[Path]:
@@ -44,12 +44,12 @@ def _lines(p: Path) -> list[str]:
 # Markdown pages whose links and paths must resolve
 MARKDOWN = ("README.md", "docs/*.md", "benchmarks/README.md", "fastspec/eig/csrc/README.md")
 # files that must not cite outside documents or issue numbers
-PROSE_AND_CODE = ("fastspec/**/*.py", "README.md", "docs/**/*", "benchmarks/*.md", "benchmarks/*.py",
+PROSE_AND_CODE = ("fastspec/**/*.py", "examples/*.py", "README.md", "docs/**/*", "benchmarks/*.md", "benchmarks/*.py",
                   "benchmarks/*.sh", "fastspec/eig/csrc/*", "setup.py", "tests/*.py", ".ci/run", "pyproject.toml")
 # code whose path mentions must resolve (docstrings, comments, messages)
-CODE_WITH_PATHS = ("fastspec/**/*.py", "setup.py", "benchmarks/*.py", "benchmarks/*.sh")
+CODE_WITH_PATHS = ("fastspec/**/*.py", "examples/*.py", "setup.py", "benchmarks/*.py", "benchmarks/*.sh")
 # code whose environment variables must be documented
-CODE_WITH_ENV = ("fastspec/**/*.py", "setup.py", "benchmarks/*.py", "benchmarks/*.sh", "tests/*.py", ".ci/run")
+CODE_WITH_ENV = ("fastspec/**/*.py", "examples/*.py", "setup.py", "benchmarks/*.py", "benchmarks/*.sh", "tests/*.py", ".ci/run")
 
 
 def _report(offences: list[str], what: str) -> None:
@@ -156,7 +156,7 @@ def test_docs_pages_exist_and_are_indexed():
 # --------------------------------------------------------------------- (c) repository paths
 # a token that starts with a top-level folder of the repository, not preceded by a path character
 # (so `../fastspec/x.py` in a link and `/abs/fastspec/...` are left to the link test / ignored)
-REPO_PATH = re.compile(r"(?<![\w./$-])((?:fastspec|docs|csrc|benchmarks|tests|\.ci)/[\w./*<>{}\[\]$-]*)")
+REPO_PATH = re.compile(r"(?<![\w./$-])((?:fastspec|docs|csrc|benchmarks|tests|examples|\.ci)/[\w./*<>{}\[\]$-]*)")
 PLACEHOLDER_CHARS = set("*<>{}[]$")
 # all-caps stems are placeholders (NAME-DATE.json, OUT_DIR), except real all-caps file names
 PLACEHOLDER_STEM = re.compile(r"^[A-Z][A-Z0-9_]*(?:-[A-Z][A-Z0-9_]*)*$")

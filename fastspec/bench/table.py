@@ -64,7 +64,7 @@ def noise_pct(row: dict) -> float | None:
 def _within_noise(row: dict, same: str) -> str | None:
     """The text of a difference within noise, or None when the number stands (:data:`NOISE_RULE`).
 
-    Three cases, by the band ``[lo, hi]`` of fastspec/baseline time ratios over the repeats
+    Three cases, by the band ``[lo, hi]`` of fastspec-to-baseline time ratios over the repeats
     (:func:`time_ratio_band`) and ``X = noise_pct(row)``:
 
     * the band excludes 1 (no overlap): None, the medians' number is printed however wide the band;
