@@ -100,8 +100,10 @@ def main(argv=None) -> int:
         "key_pr_eval": plots.trajectory_plot(df, "keys", "participation_ratio", x="step", protocol="eval"),
         "key_pr_stream": plots.trajectory_plot(df, "keys", "participation_ratio", x="step", protocol="stream"),
         "ffn_pr_heatmap": plots.layer_heatmap(df, "ffn", "participation_ratio", protocol="eval"),
-        "final_spectra": plots.spectrum_plot(probe.spectra(eval_batch)),
     }
+    spectra = probe.spectra(eval_batch)  # {(site, layer): [heads, D] for keys, [D] for FFN}
+    for site in ("keys", "ffn"):  # σ of the keys, λ of the FFN inputs: one figure each
+        figures[f"final_spectra_{site}"] = plots.spectrum_plot({k: v for k, v in spectra.items() if k[0] == site})
     for name, fig in figures.items():
         plots.save(fig, args.out / f"{name}.png")
     probe.close()

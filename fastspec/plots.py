@@ -458,7 +458,8 @@ def _draw_rows(ax, k, ys: np.ndarray, name: str, heads: str, mask_zeros: bool, l
 def _heads_note(items, heads: str) -> str:
     if not any(len(rows) > 1 for _, _, rows in items):
         return ""
-    return "; mean over heads, band: min–max over heads" if heads == "mean" else "; one line per head"
+    # a second title line: on one line with a mixed spectra title it ran past the figure's edge
+    return "\nmean over heads, band: lowest to highest head" if heads == "mean" else "\none line per head"
 
 
 def spectrum_plot(spectra, *, normalize: bool = True, title: str | None = None, convention=None,

@@ -140,7 +140,7 @@ def test_end_to_end_example_runs(tmp_path):
     assert set(df["protocol"]) == {"eval", "stream"}
     assert set(df.loc[df.protocol == "eval", "step"]) == {0, 10, 20}
     assert {"keys", "ffn"} <= set(df["site"])
-    for png in ("key_pr_eval", "key_pr_stream", "ffn_pr_heatmap", "final_spectra"):
+    for png in ("key_pr_eval", "key_pr_stream", "ffn_pr_heatmap", "final_spectra_keys", "final_spectra_ffn"):
         assert (out / f"{png}.png").stat().st_size > 10_000, png
     assert "key PR per layer" in proc.stdout
     assert "Warning" not in proc.stderr, proc.stderr[-3000:]
