@@ -7,7 +7,6 @@ import contextlib
 import io
 import json
 import math
-import re
 from pathlib import Path
 
 import pytest
@@ -106,10 +105,11 @@ def test_bench_quick_prints_narrow_tables_of_every_row(bench_doc):
     _, doc, out = bench_doc
     header, sep, body = out.partition("\n# python")
     assert header.startswith("# ") and "median of 2 repeats after 1 warm-up" in body.splitlines()[0]
-    # was ~340 in one table; an "inconclusive (noisy: ±X%)" cell (wide spreads: a shared CPU) is 17
-    # characters wider than "≈0 (±X%)", and its column with it
-    limit = 110 + (17 if re.search(r"inconclusive \(noisy: ±\d", body) else 0)  # a cell, not the legend
-    assert max(len(line) for line in body.splitlines()[1:]) <= limit, body
+    # was ~340 in one table. The widest cells depend on the run: an "inconclusive (noisy: ±X%)"
+    # speedup (wide spreads on a shared CPU) is 16+ characters wider than "≈1× (±X%)", and tiny GB/s
+    # figures print long; a shared CI machine produced a 129-character row of both. The bound
+    # catches a return to one wide table, not a column's exact width.
+    assert max(len(line) for line in body.splitlines()[1:]) <= 140, body
     lines, flat = body.splitlines(), " ".join(body.split())
     for r in doc["results"]:
         if "fastspec_s" in r:
