@@ -276,21 +276,19 @@ def layer_zones(records, site: str = KEY_SITE, metric: str = KEY_METRIC, n_zones
     return pd.DataFrame(rows)
 
 
-def _t_halfwidth(se: float, n: int, level: float) -> float:
-    """Half-width of the two-sided ``level`` Student-t interval of a mean of ``n`` units with
-    standard error ``se`` (NaN below 2 units)."""
+def _mean_interval(units: pd.Series, level: float) -> dict:
+    """Mean of the finite ``units`` (one per layer), its standard error (std with ddof=1 over
+    √n) and the two-sided ``level`` Student-t interval (n − 1 degrees of freedom) as
+    ``{mean, se, ci_low, ci_high, n_layers}``; se and interval NaN below 2 units, all NaN with none."""
     from scipy import stats
 
-    if n < 2 or not np.isfinite(se):
-        return float("nan")
-    return float(stats.t.ppf((1 + level) / 2, n - 1) * se)
-
-
-def _mean_se(v: np.ndarray) -> tuple[float, float]:
-    """Mean and standard error (sample std with ddof=1 over √n; NaN below 2 values) of ``v``."""
-    if len(v) == 0:
-        return float("nan"), float("nan")
-    return float(np.mean(v)), float(np.std(v, ddof=1) / np.sqrt(len(v))) if len(v) >= 2 else float("nan")
+    d = units.dropna().to_numpy(dtype=float)
+    d = d[np.isfinite(d)]
+    n = len(d)
+    mean = float(np.mean(d)) if n else float("nan")
+    se = float(np.std(d, ddof=1) / np.sqrt(n)) if n >= 2 else float("nan")
+    hw = float(stats.t.ppf((1 + level) / 2, n - 1) * se) if n >= 2 else float("nan")
+    return {"mean": mean, "se": se, "ci_low": mean - hw, "ci_high": mean + hw, "n_layers": n}
 
 
 def _per_layer_changes(lm: pd.DataFrame) -> dict[str, tuple[int, int, pd.Series, pd.Series]]:
@@ -322,15 +320,11 @@ def layer_changes(records, site: str = KEY_SITE, metric: str = KEY_METRIC, proto
     lm = layer_means(records, site, metric, protocol)
     rows = []
     for cond, (first, last, a, b) in _per_layer_changes(lm).items():
-        d = (b - a).dropna().to_numpy(dtype=float)
-        d = d[np.isfinite(d)]
-        change, se = _mean_se(d)
-        hw = _t_halfwidth(se, len(d), level)
+        m = _mean_interval(b - a, level)
         rows.append({"condition": cond, "initial_step": first, "final_step": last,
                      "initial": float(a.mean()) if len(a) else float("nan"),
                      "final": float(b.mean()) if len(b) else float("nan"),
-                     "change": change, "se": se, "ci_low": change - hw, "ci_high": change + hw,
-                     "n_layers": len(d)})
+                     "change": m.pop("mean"), **m})
     return pd.DataFrame(rows, columns=["condition", "initial_step", "final_step", "initial", "final", "change",
                                        "se", "ci_low", "ci_high", "n_layers"])
 
@@ -364,15 +358,11 @@ def compare_changes(records, site: str = KEY_SITE, metric: str = KEY_METRIC, ref
         if cond == reference:
             continue
         ra, rb = per[reference][2], per[reference][3]
-        d = ((b - a) - (rb - ra)).dropna().to_numpy(dtype=float)
-        d = d[np.isfinite(d)]
-        diff, se = _mean_se(d)
-        hw = _t_halfwidth(se, len(d), level)
+        m = _mean_interval((b - a) - (rb - ra), level)
         initial_gap, final_gap = float(a.mean() - ra.mean()), float(b.mean() - rb.mean())
         share = initial_gap / final_gap if final_gap != 0 and np.isfinite(final_gap) else float("nan")
         rows.append({"condition": cond, "reference": reference, "initial_gap": initial_gap, "final_gap": final_gap,
-                     "share_at_start": share, "diff": diff, "se": se, "ci_low": diff - hw, "ci_high": diff + hw,
-                     "n_layers": len(d)})
+                     "share_at_start": share, "diff": m.pop("mean"), **m})
     return pd.DataFrame(rows, columns=["condition", "reference", "initial_gap", "final_gap", "share_at_start",
                                        "diff", "se", "ci_low", "ci_high", "n_layers"])
 

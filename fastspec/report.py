@@ -540,13 +540,10 @@ def _plots(df, spectra: dict, plot_dir: Path, width_fits=None) -> list[tuple[str
             convention = _spectrum_convention(site)
             heads = " (mean over heads)" if any(np.ndim(v) > 1 for v in group.values()) else ""
             head = f"{site} layer {layer}, last probe ({why})"
-            title = f"{site} spectrum{heads}, layer {layer}, last probe ({why}{': ' + detail if detail else ''})"
-            emit(f"spectrum_{site}", title, plots.spectrum_plot(
-                group, title=f"{head}\n{detail or 'spectrum'}", convention=convention))
-            title = (f"{site} cumulative variance{heads}, layer {layer}, last probe "
-                     f"({why}{': ' + detail if detail else ''})")
-            emit(f"cumvar_{site}", title, plots.cumulative_variance_plot(
-                group, title=f"{head}\n{detail or 'cumulative variance'}", convention=convention))
+            for stem, what, plot in (("spectrum", "spectrum", plots.spectrum_plot),
+                                     ("cumvar", "cumulative variance", plots.cumulative_variance_plot)):
+                title = f"{site} {what}{heads}, layer {layer}, last probe ({why}{': ' + detail if detail else ''})"
+                emit(f"{stem}_{site}", title, plot(group, title=f"{head}\n{detail or what}", convention=convention))
     if "width" in df.columns and df["width"].nunique() >= 2:
         emit("width_fits", "Width fits", plots.width_fit_plot(df, width_col="width", fits=width_fits))
     return made

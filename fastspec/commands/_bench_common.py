@@ -52,12 +52,7 @@ def check_json_path(path: Path | None) -> None:
         return
     if path.is_dir():
         raise ValueError(f"--json: expected a file path, got the directory {path}")
-    parent = path.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ValueError(f"--json: expected a path under a directory, but {parent} is a file")
-    reason = unwritable(path.parent)
+    reason = unwritable(path.parent)  # also a path through a regular file: "... is a file, not a folder"
     if reason is not None:
         raise ValueError(f"--json: {reason}")
 
