@@ -224,11 +224,14 @@ def layer_heatmap(records, site: str = analysis.KEY_SITE, metric: str = analysis
 
 
 def _pct_label(v: float) -> str:
-    """A difference in percent for a bar label, written as the findings write one
-    (:func:`fastspec.report._pct`: "+2.1%", "−12.6%", "0.0%", "<0.1%", never "−0.0%"); "" for NaN."""
-    from .report import _pct
-
-    return _pct(v / 100) if np.isfinite(v) else ""
+    """A difference in percent for a bar label (and the report's findings): "+2.1%", "−12.6%" (a
+    real minus), "0.0%" for an exact zero and "<0.1%" for one that would round to ±0.0% (never
+    "−0.0%"); "" for NaN."""
+    if not np.isfinite(v):
+        return ""
+    if abs(v) < 0.05:
+        return "0.0%" if v == 0 else "<0.1%"
+    return f"{v:+.1f}%".replace("-", "−")
 
 
 def _layer_noise(lm, cond: str):

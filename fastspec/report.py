@@ -127,10 +127,11 @@ def _num(v: float) -> str:
 
 def _pct(x: float) -> str:
     """A relative change as a signed percentage with a real minus sign: -0.239 -> "−23.9%"; one
-    that rounds to zero reads "0.0%" (never "−0.0%"), a non-zero one "<0.1%"."""
-    if abs(x) < 5e-4:
-        return "0.0%" if x == 0 else "<0.1%"
-    return f"{100 * x:+.1f}%".replace("-", "−")
+    that rounds to zero reads "0.0%" (never "−0.0%"), a non-zero one "<0.1%" (the plots' bar labels,
+    :func:`fastspec.plots._pct_label`, the one formatter)."""
+    from .plots import _pct_label  # lazy, as every use of plots here: no matplotlib or pandas at import
+
+    return _pct_label(100 * x)
 
 
 def _signed(v: float) -> str:
