@@ -347,3 +347,39 @@ def test_probe_is_a_context_manager_and_close_removes_every_hook_also_on_error()
     with fastspec.Probe(model) as probe:  # entering attaches nothing; measure works as ever
         assert _hook_count(model) == bare and probe.measure(batch(), step=0)
     assert _hook_count(model) == bare and probe.records()
+
+
+def test_measurement_over_several_batches_is_one_measure_of_all_their_tokens():
+    """Probe.measurement(): the records of batches A and B are those of one measure() of A and B
+    stacked (the sums merge exactly; only the float32 FFN products' rounding differs), its spectra
+    those of Probe.spectra, from one solve; each forward restores the train flag; misuse raises."""
+    model = build("qwen3").train()
+    probe = fastspec.Probe(model, queries=True, prerope_keys=True)
+    a, b = batch(B=2, T=10, pad="right", seed=1), batch(B=3, T=10, pad="left", seed=2)
+    both = {k: torch.cat([a[k], b[k]]) for k in a}
+    want = _values(probe.measure(both, step=0))
+    m = probe.measurement(timed=True)
+    m.forward(a)
+    assert model.training  # restored after each forward
+    m.forward(b)
+    assert m.capture_seconds > 0 and m.forwards == 2
+    records, spectra = m.finish(step=7, tokens_seen=5, spectra=True)
+    got = _values(records)
+    assert got.keys() == want.keys() and {r.step for r in records} == {7}
+    for key, v in want.items():
+        assert got[key] == pytest.approx(v, rel=1e-5, abs=1e-9), key
+    assert got[("keys", 0, 0, "n")] == int(both["attention_mask"].sum())
+    ref = probe.spectra(both)
+    assert spectra.keys() == ref.keys()
+    for key in ref:
+        torch.testing.assert_close(spectra[key], ref[key], rtol=1e-5, atol=1e-7)
+    assert m.solve_seconds > 0
+    assert [r.step for r in probe.records()].count(7) == len(records)  # in the probe's history too
+    with pytest.raises(RuntimeError, match="finished"):
+        m.forward(a)
+    with pytest.raises(RuntimeError, match="already finished"):
+        m.finish(step=8)
+    with pytest.raises(ValueError, match="no forward ran"):
+        probe.measurement().finish(step=0)
+    with pytest.raises(RuntimeError, match="timed=True"):
+        probe.measurement().capture_seconds

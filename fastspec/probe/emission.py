@@ -98,17 +98,23 @@ class Emitter:
         """Descending spectrum ``[*sites, D]`` of every (site, layer): eigenvalues (``eig``) or
         singular values (``sv``), as ``Covariance.spectrum`` computes them."""
         items = self._items(collector)
+        return self._spectra(items, list(self._solve(items)))
+
+    @staticmethod
+    def _spectra(items: list[Item], solved: list) -> dict[SiteKey, Tensor]:
         out: list[Tensor | None] = [None] * len(items)
-        for _, spec, parts in self._solve(items):
+        for _, spec, parts in solved:
             for i, sl in parts:
                 cov = items[i][2]
                 out[i] = spec[sl].reshape(*cov.sites, cov.D)
         return {key: spec for (key, _, _), spec in zip(items, out)}  # in sorted_items order
 
-    def _blocks(self, items: list[Item]) -> list[Tensor]:
-        """Per item, its ``[len(RECORD_METRICS), S]`` float64 block of values."""
+    @staticmethod
+    def _blocks(items: list[Item], solved: list) -> list[Tensor]:
+        """Per item, its ``[len(RECORD_METRICS), S]`` float64 block of values (``solved``: the
+        items' :meth:`_solve` groups)."""
         blocks: list[Tensor | None] = [None] * len(items)
-        for convention, spec, parts in self._solve(items):
+        for convention, spec, parts in solved:
             m = summarize(spec, check_negative=False)
             cols = torch.stack([getattr(m, name).double() for name in SPECTRUM_METRICS])  # [M, ΣS]
             # variance per direction: λ of C for eig; σ² (energy of the uncentred rows) for sv, as in
@@ -128,10 +134,22 @@ class Emitter:
         """Metrics of every site, plus γ and ``extra`` records, packed into one tensor headed
         for the host; None when there is nothing to report (or this rank does not report).
         ``protocol``: ``"eval"`` or ``"stream"``, stamped on every record."""
+        items = self._items(collector)
+        return self._pack(items, list(self._solve(items)), step, tokens_seen, protocol, extra)
+
+    def records_and_spectra(self, collector: Collector, step: int, tokens_seen: int | None,
+                            protocol: str) -> tuple[PendingRecords | None, dict[SiteKey, Tensor]]:
+        """:meth:`records` and :meth:`spectra` of ``collector`` from one eigensolve (one
+        all-reduce under ``torch.distributed``)."""
+        items = self._items(collector)
+        solved = list(self._solve(items))
+        return self._pack(items, solved, step, tokens_seen, protocol, ()), self._spectra(items, solved)
+
+    def _pack(self, items: list[Item], solved: list, step: int, tokens_seen: int | None, protocol: str,
+              extra: tuple[tuple[RecordKey, float], ...]) -> PendingRecords | None:
         keys: list[RecordKey] = []
         values: list[Tensor] = []
-        items = self._items(collector)
-        for ((site, layer), acc, _), block in zip(items, self._blocks(items)):
+        for ((site, layer), acc, _), block in zip(items, self._blocks(items, solved)):
             for name in RECORD_METRICS:
                 for h in range(block.shape[1]):
                     keys.append((site, layer, acc.head_offset + h if acc.headed else None, name))

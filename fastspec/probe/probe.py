@@ -38,6 +38,7 @@ docs/compile.md).
 * ``budget.py``: the streaming schedule and its overhead budget, from the work times of ``timer.py``;
 * ``ffn_sampling.py``: the FFN sites' streaming token sampling, from a FLOP model;
 * ``emission.py`` (and ``gamma.py``): metrics and spectra of the covariances, one eigensolve per shape;
+* ``measurement.py``: an eval measurement over several forwards (:meth:`Probe.measurement`);
 * ``checks.py``: the batch a measurement takes, and the sites whose rows were missing or refused;
 * ``pending.py`` / ``history.py`` / ``record.py``: the records, handed to the host without a sync.
 """
@@ -60,6 +61,7 @@ from .families import resolve_family
 from .ffn_sampling import choose_ffn_rows
 from .history import History
 from .hooks import ForwardScope, Hooks, SitePlan, positional_index
+from .measurement import Measurement
 from .record import Record
 from .routing import Router
 from .sites import CONVENTIONS, Collector, module_sites
@@ -241,8 +243,9 @@ class Probe:
         checks.check_batch(batch, tensor_is_input_ids=True)
         return batch
 
-    def _eval_forward(self, batch) -> Collector:
-        """One eval forward of ``batch`` with every capture going to a fresh collector.
+    def _eval_forward(self, batch, collector: Collector):
+        """One eval forward of ``batch`` with every capture going to ``collector``; returns the
+        model's output.
 
         Puts the model in eval mode and runs it under ``no_grad``; restores each module's
         train/eval flag and removes the hooks it added, also when the forward raises.
@@ -250,7 +253,6 @@ class Probe:
         model = self.model
         modes = [(m, m.training) for m in model.modules()]
         installed_here = not self._hooks.installed
-        collector = Collector(self.settings)
         try:
             if installed_here:
                 self._hooks.install()
@@ -259,13 +261,12 @@ class Probe:
                 # submodules compiled in place (module.compile(), e.g. under FSDP2) run eagerly too:
                 # a graph traced for streaming drops measurement captures (routing.py)
                 with torch.no_grad(), _force_eager():
-                    model(**batch) if isinstance(batch, dict) else model(batch)
+                    return model(**batch) if isinstance(batch, dict) else model(batch)
         finally:
             if installed_here:
                 self._hooks.remove()
             for m, was_training in modes:
                 m.training = was_training
-        return collector
 
     def measure(self, batch, *, step: int, tokens_seen: int | None = None) -> list[Record]:
         """The eval protocol (docs/protocols.md): one forward of a fixed batch, metrics of exactly its tokens.
@@ -289,7 +290,8 @@ class Probe:
         """
         step = _args.integer("step", step)
         tokens_seen = _args.integer("tokens_seen", tokens_seen, minimum=0, optional=True)
-        collector = self._eval_forward(self._as_batch(batch))
+        collector = Collector(self.settings)
+        self._eval_forward(self._as_batch(batch), collector)
         pending = self._emitter.records(collector, step, tokens_seen, "eval")
         records = [] if pending is None else pending.materialize()
         # the records hold n and rejected on the host: sites that ran but kept no row are found
@@ -313,9 +315,24 @@ class Probe:
         """
         if batch is None:
             return self._emitter.spectra(self._totals)
-        collector = self._eval_forward(self._as_batch(batch))
+        collector = Collector(self.settings)
+        self._eval_forward(self._as_batch(batch), collector)
         self._warn_missing(collector, "in this measurement", stacklevel=3)
         return self._emitter.spectra(collector)
+
+    def measurement(self, *, timed: bool = False) -> Measurement:
+        """An eval measurement over several forwards (more tokens than one batch holds)::
+
+            m = probe.measurement()
+            for batch in batches:
+                m.forward(batch)                          # each as measure() runs it
+            records, spectra = m.finish(step=0, spectra=True)
+
+        The records are those :meth:`measure` would give for all the batches' tokens in one
+        batch; ``spectra=True`` adds :meth:`spectra`'s dict from the same eigensolve.
+        ``timed=True``: the captures' work time is kept (``capture_seconds``), e.g. to report
+        the probe's share of the forward time (``measurement.py``)."""
+        return Measurement(self, timed=timed)
 
     def _missing_hints(self) -> dict[str, str]:
         """Every requested site, with the likely reason why it would capture nothing."""

@@ -193,7 +193,9 @@ class Router:
         streaming = target is self.totals
         # only streaming work is the budget's to time: measure() captures would pile up CUDA
         # events (never popped without step()) and count against the streaming interval
-        token = self.timer.start(x.device) if streaming else None
+        # a measurement is timed only when it asked to be (its own timer: Probe.measurement)
+        timer = self.timer if streaming else target.timer
+        token = timer.start(x.device) if timer is not None else None
         # a site's own streaming row step (FFN: ffn_row_step); measure() is the eval protocol
         row_step = stream_row_step if streaming and stream_row_step is not None else self.row_step
         with contextlib.ExitStack() as stack:
@@ -206,8 +208,8 @@ class Router:
             target.update(slot.site, slot.layer, x, self.scope.mask_for(x, headed, slot.site), headed=headed,
                           convention=convention, head_offset=head_offset, row_step=row_step)
         if token is not None:
-            self.timer.stop(token, "capture")
-            self.timed += 1
+            timer.stop(token, "capture")
+            self.timed += streaming
 
     def _capture_in_graph(self, slot: Slot, x: Tensor, *, headed: bool, convention: str, head_offset: int,
                           stream_row_step: int | None) -> None:

@@ -92,9 +92,11 @@ class Collector:
     products and ``eig`` sites float32 ones).
     """
 
-    def __init__(self, settings: UpdateSettings):
+    def __init__(self, settings: UpdateSettings, timer=None):
         self.settings = settings
         self.accs: dict[SiteKey, SiteCovariance] = {}
+        # a measurement's own WorkTimer (Probe.measurement(timed=True)): its captures' work time
+        self.timer = timer
 
     def ensure(self, site: str, layer: int | None, dim: tuple[int, ...], convention: str, headed: bool,
                head_offset: int, device: torch.device | None = None) -> SiteCovariance:
