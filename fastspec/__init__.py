@@ -9,6 +9,7 @@ Public API:
     fastspec.fit_power_law    log-log least squares across widths (docs/fits.md)
     fastspec.tail_index       spectral tail exponent over a rank window (docs/fits.md)
     fastspec.Probe            per-layer/per-head metrics from a live (HF) model (docs/protocols.md)
+    fastspec.analyze          spectra of pretrained models / checkpoint series (docs/analyze.md)
     fastspec.analysis         tables and width/tail fits of records   (these need pandas,
     fastspec.plots            matplotlib figures of records            matplotlib or the
     fastspec.integrations     TensorBoard, W&B, Lightning, HF Trainer  logging library)
@@ -36,11 +37,12 @@ _LAZY_NAMES = {
     "summarize": "metrics",
     "Probe": "probe",
     "Record": "probe",
+    "analyze": "checkpoints",
 }
 # submodules reachable as attributes of ``fastspec`` without importing them first
 # (``fastspec.probe.ModuleSite``, ``fastspec.analysis.to_frame``)
 _LAZY_SUBMODULES = ("metrics", "covariance", "eig", "fits", "probe",
-                    "analysis", "plots", "report", "integrations", "demo", "bench")
+                    "analysis", "plots", "report", "integrations", "demo", "bench", "checkpoints")
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
     from . import metrics
@@ -48,6 +50,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
     from .eig import backends, eigvalsh, solvers
     from .fits import PowerLawFit, TailFit, fit_power_law, tail_index
     from .metrics import SpectrumMetrics, summarize
+    from .checkpoints import analyze
     from .probe import Probe, Record
 
 
@@ -71,6 +74,7 @@ __all__ = [
     "PowerLawFit",
     "Probe",
     "Record",
+    "analyze",
     "SpectrumMetrics",
     "TailFit",
     "backends",

@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("fastspec.commands.bench", "time fastspec against torch.linalg baselines (a table per suite, --json)"),
     "compare": ("fastspec.commands.compare", "accuracy only: fastspec vs torch.linalg fp32 vs fp64"),
     "demo": ("fastspec.commands.demo", "train three tiny models (QK-norm key-rank study) and write a run folder"),
+    "analyze": ("fastspec.commands.analyze", "key and FFN spectra of pretrained models or a series of checkpoints"),
     "report": ("fastspec.commands.report", "regenerate plots and report.md of a run folder"),
     "precompile": ("fastspec.commands.precompile", "compile the CUDA eigensolver ahead of time into the kernel cache"),
 }

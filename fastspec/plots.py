@@ -19,6 +19,8 @@ __all__ = [
     "width_fit_plot",
     "spectrum_plot",
     "cumulative_variance_plot",
+    "layer_grid_heatmap",
+    "layer_profile_plot",
     "save",
 ]
 
@@ -539,6 +541,91 @@ def cumulative_variance_plot(spectra, *, title: str | None = None, share: float 
     ax.set_title(title or "cumulative variance of the top k components" + _heads_note(items, heads))
     ax.legend(fontsize="small")
     ax.grid(alpha=0.3, which="both")
+    return fig
+
+
+def layer_grid_heatmap(panels: Mapping, *, label: str, xlabel: str = "head", title: str | None = None,
+                       vmin: float | None = None, vmax: float | None = None, fmt: str | None = None,
+                       max_labels: int = 256):
+    """Layer × head (or layer × step) heatmaps side by side on one colour scale: one model's
+    per-head values of one or more sites, or a series' per-layer values over its checkpoints.
+
+    ``panels``: {panel title: table}, each a ``pandas.DataFrame`` with the layers as its index and
+    the heads (or steps: ``xlabel="step"``) as its numeric columns; each cell sits at its column's
+    value, so uneven steps keep their spacing; NaN cells stay blank. ``label``: the colour bar's
+    label. ``vmin``/``vmax``: the colour range (default: the data's full range, every cell
+    included); a fixed range (0–1 for a share of d_head) lets panels and figures be compared.
+    ``fmt``: a format for each cell's value (``"{:.0%}"``), written in the cell when a panel has at
+    most ``max_labels`` cells (more would be unreadable)."""
+    from matplotlib.colors import Normalize
+
+    if not panels:
+        raise ValueError("panels: expected at least one layer × head table, got none")
+    values = np.concatenate([np.asarray(t, dtype=float).ravel() for t in panels.values()])
+    values = values[np.isfinite(values)]
+    lo = vmin if vmin is not None else (float(values.min()) if len(values) else 0.0)
+    hi = vmax if vmax is not None else (float(values.max()) if len(values) else 1.0)
+    norm = Normalize(lo, hi if hi > lo else lo + 1.0)
+    fig = _figure(3.6 * len(panels) + 1.2, 3.8)
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (name, table) in zip(axes, panels.items()):
+        table = table.sort_index().sort_index(axis=1)
+        heads = np.asarray(table.columns, dtype=float)
+        layers = np.asarray(table.index, dtype=float)
+        z = np.asarray(table, dtype=float)
+        mesh = ax.pcolormesh(_edges(heads), _edges(layers), np.ma.masked_invalid(z), norm=norm, cmap="viridis")
+        _integer_ticks(ax.xaxis, heads)
+        _integer_ticks(ax.yaxis, layers)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("layer")
+        ax.set_title(name, fontsize="medium")
+        if fmt and z.size <= max_labels:
+            for (i, j), v in np.ndenumerate(z):
+                if np.isfinite(v):  # dark text on the bright end of viridis, light on the dark end
+                    ax.text(heads[j], layers[i], fmt.format(v), ha="center", va="center", fontsize=6.5,
+                            color="k" if norm(v) > 0.6 else "w", gid="cell-value")
+    fig.colorbar(mesh, ax=list(axes), label=label)
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def layer_profile_plot(profiles: Mapping, *, ylabel: str, title: str | None = None,
+                       ceiling: float | None = None, ceiling_label: str | None = None):
+    """Per-layer values as curves: a colour per entry (a model), a line style and marker per variant
+    (e.g. post-RoPE solid, pre-RoPE dashed).
+
+    ``profiles``: {entry: {variant: per-layer values}}, the values a ``pandas.Series`` indexed by
+    layer (or a mapping layer -> value); the legend reads "entry, variant" (the entry alone when
+    every entry has one variant). ``ceiling``: a dashed horizontal line (e.g. 1 for a share of
+    d_head), labelled ``ceiling_label``."""
+    import pandas as pd
+
+    if not profiles:
+        raise ValueError("profiles: expected at least one entry, got none")
+    variants = list(dict.fromkeys(v for per in profiles.values() for v in per))
+    several = len(variants) > 1
+    fig = _figure()
+    ax = fig.add_subplot()
+    layers = set()
+    for i, (entry, per) in enumerate(profiles.items()):
+        colour = f"C{i % 10}"
+        for variant, values in per.items():
+            s = pd.Series(values, dtype=float).sort_index()
+            layers.update(int(l) for l in s.index)
+            ls, marker = _STYLES[variants.index(variant) % len(_STYLES)]
+            ax.plot(s.index.to_numpy(dtype=float), s.to_numpy(), color=colour, ls=ls, marker=marker, ms=4,
+                    mfc=None if variants.index(variant) == 0 else "none",
+                    label=f"{entry}, {variant}" if several else str(entry))
+    if ceiling is not None:
+        ax.axhline(ceiling, ls="--", lw=1, color="0.3", label=ceiling_label, gid="ceiling")
+    _integer_ticks(ax.xaxis, sorted(layers))
+    ax.set_xlabel("layer")
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title, fontsize="medium")
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
     return fig
 
 

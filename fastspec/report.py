@@ -5,6 +5,8 @@ A run folder (written by ``fastspec demo``, readable by anything that writes the
 
     config.json     run settings and ``status`` ("running", "completed", "interrupted" or "failed")
     records.jsonl   one JSON object per line: the :class:`fastspec.Record` fields + ``condition``
+                    (a ``fastspec analyze`` folder holds records.parquet or records.csv instead,
+                    and its report is :mod:`fastspec.checkpoints.report`'s)
     spectra.npz     optional: final spectra, keys ``"<condition>/<site>/layer<l>"``: 1-D arrays, or
                     ``[heads, D]`` per-head spectra (a key site's); ``sv`` (singular values) for the
                     attention sites keys/queries/keys_prerope, ``eig`` for the rest
@@ -25,19 +27,31 @@ import numpy as np
 
 from . import _args
 
-__all__ = ["load_records", "load_spectra", "load_config", "Findings", "findings", "run_findings",
+__all__ = ["RECORDS_FILES", "load_records", "load_spectra", "load_config", "Findings", "findings", "run_findings",
            "write_report"]
 
 
+#: the records files a run folder may hold, in the order they are read: ``fastspec demo`` writes
+#: records.jsonl, ``fastspec analyze`` records.parquet (records.csv without pyarrow)
+RECORDS_FILES = ("records.jsonl", "records.parquet", "records.csv")
+
+
 def load_records(run_dir):
-    """``records.jsonl`` of ``run_dir`` as a DataFrame (see :func:`fastspec.analysis.to_frame`)."""
+    """The records of ``run_dir`` as a DataFrame (see :func:`fastspec.analysis.to_frame`): its
+    ``records.jsonl``, else ``records.parquet``, else ``records.csv`` (:data:`RECORDS_FILES`)."""
     from . import analysis
 
     path = Path(run_dir) / "records.jsonl"
     if not Path(run_dir).is_dir():
         raise FileNotFoundError(f"run_dir: {run_dir} is not a folder")
     if not path.is_file():
-        raise FileNotFoundError(f"run_dir: no records.jsonl in {run_dir}")
+        for name in RECORDS_FILES[1:]:
+            if (Path(run_dir) / name).is_file():
+                # the tables' reader lives with the analyze report, which may not import this module
+                from .checkpoints.report import read_records_table
+
+                return read_records_table(Path(run_dir) / name)
+        raise FileNotFoundError(f"run_dir: no {', '.join(RECORDS_FILES[:-1])} or {RECORDS_FILES[-1]} in {run_dir}")
     rows = []
     with path.open() as f:
         for line in f:
@@ -49,9 +63,18 @@ def load_records(run_dir):
 
 
 def load_config(run_dir) -> dict:
-    """``config.json`` of ``run_dir``, or {} when the run has none."""
+    """``config.json`` of ``run_dir``, or {} when the run has none; a ValueError naming the file
+    when it is not a JSON object."""
     path = Path(run_dir) / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:  # the decoder's message does not say which file
+        raise ValueError(f"config.json: not JSON ({e.msg} at line {e.lineno}) in {run_dir}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"config.json: expected a JSON object in {run_dir}, got {type(config).__name__}")
+    return config
 
 
 def load_spectra(run_dir) -> dict[str, np.ndarray]:
@@ -554,10 +577,16 @@ def write_report(run_dir) -> Path:
     """(Re)generate ``plots/*.png`` and ``report.md`` of ``run_dir`` from its records; returns the report path.
 
     The report opens with the :func:`findings`, then the tables; each table reads one protocol
-    (:mod:`fastspec.analysis`: eval records when there are any) and says which."""
+    (:mod:`fastspec.analysis`: eval records when there are any) and says which. A ``fastspec
+    analyze`` folder (config.json's ``"command"``) gets its own report
+    (:func:`fastspec.checkpoints.report.write_report`)."""
     from . import analysis
 
     run_dir = Path(run_dir)
+    if load_config(run_dir).get("command") == "analyze":
+        from .checkpoints.report import write_report as write_analyze_report
+
+        return write_analyze_report(run_dir)
     df = load_records(run_dir)
     config = load_config(run_dir)
     spectra = load_spectra(run_dir)

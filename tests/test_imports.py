@@ -33,7 +33,8 @@ LIGHT = ("info", "bench", "compare", "report", "demo", "precompile")
 # the library package each command runs (its module is fastspec.commands.<name>): a command's
 # --help may import its own, never another command's module or package
 UNITS = {"info": "fastspec.sysinfo", "bench": "fastspec.bench", "compare": "fastspec.bench",
-         "demo": "fastspec.demo", "report": "fastspec.report", "precompile": "fastspec.eig"}
+         "demo": "fastspec.demo", "report": "fastspec.report", "precompile": "fastspec.eig",
+         "analyze": "fastspec.checkpoints"}
 
 # the child imports the fastspec under test (the repository root first on sys.path), not another install
 ROOT = str(Path(fastspec.__file__).resolve().parents[1])
