@@ -303,3 +303,23 @@ def test_cost_benchmark_runs_and_the_docs_state_its_committed_numbers(tmp_path):
         assert name in doc
         assert f"| {res['ratio_vs_causal_lm_forward']:.2f}×" in doc.replace("**", "")
         assert f"| {res['ratio_vs_base_forward']:.2f}×" in doc
+
+
+def test_one_model_in_memory_at_a_time(tmp_path, monkeypatch):
+    """When a checkpoint loads, the one before it is gone (no reference left to it anywhere)."""
+    import weakref
+
+    series = ck.write_series(tmp_path / "run", steps=(1, 2, 3))
+    real = analyze_run.load_model
+    alive_at_load, refs = [], []
+
+    def tracked(source, settings):
+        alive_at_load.append(sum(r() is not None for r in refs))
+        model, tok = real(source, settings)
+        refs.append(weakref.ref(model))
+        return model, tok
+
+    monkeypatch.setattr(analyze_run, "load_model", tracked)
+    analyze_run.analyze(series, tmp_path / "out", **SMALL)
+    assert alive_at_load == [0, 0, 0]
+    assert all(r() is None for r in refs)

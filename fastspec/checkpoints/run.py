@@ -373,57 +373,70 @@ def _timed(fn, *args, **kwargs):
 
 
 def measure_model(source, settings: Settings, documents, packed_cache: dict, *, progress: bool):
-    """Load, tokenize, forward with the probe, solve: ``(rows, spectra {name: array}, meta)``."""
-    import torch
+    """Load, tokenize, forward with the probe, solve: ``(rows, spectra {name: array}, meta)``.
 
-    from .text import pack
+    The model is freed before this returns (one model in memory at a time): the probe and its
+    measurement, which hold it, live in :func:`_probe_model`'s frame only, and the collection
+    here breaks their reference cycles."""
+    import torch
 
     clock = _Clock(settings.device)
     with clock("load"):
         model, tok = load_model(source, settings)
     try:
-        with clock("tokenize"):
-            key = _tokenizer_key(tok)
-            if key not in packed_cache:
-                packed_cache[key] = _Packed(*_timed(pack, tok, documents, tokens=settings.tokens,
-                                                    seq_len=settings.seq_len, seed=settings.seed))
-            ids = packed_cache[key].ids
-        # the first model of a tokenizer pays for packing, also when analyze() packed it ahead
-        clock.times["tokenize"] += packed_cache[key].take_seconds()
-        probe, skipped = make_probe(model, source.label, settings.sites)
-        m = probe.measurement(timed=True)
-        batches = ids.split(settings.batch_size)
-        bar = _progress(len(batches), source.label, progress)
-        try:
-            with clock("forward"):
-                for b in batches:
-                    b = b.to(settings.device)
-                    m.forward({"input_ids": b, "attention_mask": torch.ones_like(b)})
-                    bar.update(1)
-        finally:
-            bar.close()
-        probe_s = m.capture_seconds
-        step = 0 if source.step is None else source.step
-        records, spectra = m.finish(step=step, tokens_seen=int(ids.numel()), spectra=True)
-        clock.times["solve"] = m.solve_seconds
-        clock.times["forward"] -= probe_s  # the forward's own time; the captures' work is the probe's
-        clock.times["probe"] = probe_s
-        cfg = model.config
+        records, spectra, skipped, ids = _probe_model(model, tok, source, settings, documents, packed_cache,
+                                                      clock, progress)
+        model_type = getattr(model.config, "model_type", None)
     finally:
-        del model  # one model in memory at a time
+        del model
         gc.collect()
         if torch.device(settings.device).type == "cuda":
             torch.cuda.empty_cache()
     rows = [{**r.as_dict(), "condition": source.series, "model": source.label} for r in records]
-    arrays = {}
-    for (site, layer), spec in spectra.items():
-        arrays[f"{site}/layer{layer}"] = spec.detach().double().cpu().numpy()
+    arrays = {f"{site}/layer{layer}": spec.detach().double().cpu().numpy() for (site, layer), spec in spectra.items()}
     sites = sorted({r["site"] for r in rows}, key=lambda s: (s not in SITES, SITES.index(s) if s in SITES else 0, s))
     meta = {"label": source.label, "condition": source.series, "step": source.step, "path": str(source.path),
-            "kind": source.kind, "model_type": getattr(cfg, "model_type", None), "sites": sites,
+            "kind": source.kind, "model_type": model_type, "sites": sites,
             "skipped_sites": skipped, "tokens": int(ids.numel()), "sequences": int(ids.shape[0]),
             "times": clock.times}
     return rows, arrays, meta
+
+
+def _probe_model(model, tok, source, settings: Settings, documents, packed_cache: dict, clock: _Clock,
+                 progress: bool):
+    """Tokenize (or reuse the packed batch of the same tokenizer), run every batch through a
+    timed :meth:`fastspec.Probe.measurement`, solve: ``(records, spectra, skipped sites, ids)``."""
+    import torch
+
+    from .text import pack
+
+    with clock("tokenize"):
+        key = _tokenizer_key(tok)
+        if key not in packed_cache:
+            packed_cache[key] = _Packed(*_timed(pack, tok, documents, tokens=settings.tokens,
+                                                seq_len=settings.seq_len, seed=settings.seed))
+        ids = packed_cache[key].ids
+    # the first model of a tokenizer pays for packing, also when analyze() packed it ahead
+    clock.times["tokenize"] += packed_cache[key].take_seconds()
+    probe, skipped = make_probe(model, source.label, settings.sites)
+    m = probe.measurement(timed=True)
+    batches = ids.split(settings.batch_size)
+    bar = _progress(len(batches), source.label, progress)
+    try:
+        with clock("forward"):
+            for b in batches:
+                b = b.to(settings.device)
+                m.forward({"input_ids": b, "attention_mask": torch.ones_like(b)})
+                bar.update(1)
+    finally:
+        bar.close()
+    probe_s = m.capture_seconds
+    step = 0 if source.step is None else source.step
+    records, spectra = m.finish(step=step, tokens_seen=int(ids.numel()), spectra=True)
+    clock.times["solve"] = m.solve_seconds
+    clock.times["forward"] -= probe_s  # the forward's own time; the captures' work is the probe's
+    clock.times["probe"] = probe_s
+    return records, spectra, skipped, ids
 
 
 def _progress(total: int, label: str, enabled: bool):
