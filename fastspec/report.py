@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _args
+from ._run_folder import load_config  # shared with the analyze report
 
 __all__ = ["RECORDS_FILES", "load_records", "load_spectra", "load_config", "Findings", "findings", "run_findings",
            "write_report"]
@@ -60,21 +61,6 @@ def load_records(run_dir):
             except json.JSONDecodeError:  # the line being written when the run was killed
                 continue
     return analysis.to_frame(rows)
-
-
-def load_config(run_dir) -> dict:
-    """``config.json`` of ``run_dir``, or {} when the run has none; a ValueError naming the file
-    when it is not a JSON object."""
-    path = Path(run_dir) / "config.json"
-    if not path.is_file():
-        return {}
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as e:  # the decoder's message does not say which file
-        raise ValueError(f"config.json: not JSON ({e.msg} at line {e.lineno}) in {run_dir}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"config.json: expected a JSON object in {run_dir}, got {type(config).__name__}")
-    return config
 
 
 def load_spectra(run_dir) -> dict[str, np.ndarray]:
@@ -583,12 +569,12 @@ def write_report(run_dir) -> Path:
     from . import analysis
 
     run_dir = Path(run_dir)
-    if load_config(run_dir).get("command") == "analyze":
+    config = load_config(run_dir)
+    if config.get("command") == "analyze":
         from .checkpoints.report import write_report as write_analyze_report
 
         return write_analyze_report(run_dir)
     df = load_records(run_dir)
-    config = load_config(run_dir)
     spectra = load_spectra(run_dir)
     lines = ["# fastspec run report", ""]
     status = config.get("status", "unknown")

@@ -40,13 +40,14 @@ report (and reading a parquet/csv records table) to this one, and the package ha
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from .._run_folder import load_config  # the demo report's reader too
 
 __all__ = ["COLLAPSE_FLOOR", "COLLAPSE_HALF", "RECORDS_TABLES", "Findings", "Section", "findings", "load_records",
            "read_records_table", "write_report"]
@@ -112,19 +113,6 @@ def load_records(out_dir):
         if (out_dir / name).is_file():
             return read_records_table(out_dir / name)
     raise FileNotFoundError(f"out_dir: no {' or '.join(RECORDS_TABLES)} in {out_dir}")
-
-
-def _load_config(out_dir: Path) -> dict:
-    path = out_dir / "config.json"
-    if not path.is_file():
-        return {}
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"config.json: not JSON ({e.msg} at line {e.lineno}) in {out_dir}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"config.json: expected a JSON object in {out_dir}, got {type(config).__name__}")
-    return config
 
 
 # -------------------------------------------------------------------------------------- formatting
@@ -754,7 +742,7 @@ def write_report(out_dir) -> Path:
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         raise FileNotFoundError(f"out_dir: {out_dir} is not a folder")
-    config = _load_config(out_dir)
+    config = load_config(out_dir)
     data = _Data(load_records(out_dir), config)
     found = _findings(data)
     lines = ["# fastspec analyze report", "",
