@@ -29,7 +29,6 @@ import contextlib
 import gc
 import hashlib
 import json
-import math
 import os
 import shutil
 import sys
@@ -59,10 +58,6 @@ class Settings:
     device: str | None = None   # None: cuda when available, else cpu
     dtype: str | None = None    # None: bfloat16 on CUDA, float32 elsewhere
     sites: tuple[str, ...] = SITES
-
-    @property
-    def n_sequences(self) -> int:
-        return math.ceil(self.tokens / self.seq_len)
 
 
 @dataclass
@@ -187,13 +182,16 @@ def _done_models(out: Path) -> dict[str, dict]:
     return done
 
 
-def _write_records(out: Path, done: dict[str, dict]) -> Path:
-    """``records.parquet`` (``records.csv`` without pyarrow) of every finished model, atomically."""
+def _write_records(out: Path, done: dict[str, dict], frames: dict) -> Path:
+    """``records.parquet`` (``records.csv`` without pyarrow) of every finished model, atomically.
+    ``frames`` (label -> DataFrame) keeps each model's records once read: rewriting the table after
+    every model of a long series reads each model's file once, not once per model after it."""
     import pandas as pd
 
-    frames = [pd.read_json(out / "models" / label / "records.jsonl", lines=True, dtype=False)
-              for label in done]
-    df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    for label in done:
+        if label not in frames:
+            frames[label] = pd.read_json(out / "models" / label / "records.jsonl", lines=True, dtype=False)
+    df = pd.concat([frames[label] for label in done], ignore_index=True) if done else pd.DataFrame()
     for col in ("tokens_seen", "layer", "head_index"):
         if col in df:
             df[col] = df[col].astype("Int64")
@@ -242,6 +240,11 @@ def _quiet_transformers():
     return quiet()
 
 
+def _detail(e: Exception) -> str:
+    """An exception from transformers as one short line (its messages span lines)."""
+    return " ".join(f"{type(e).__name__}: {e}".split())[:200]
+
+
 def load_tokenizer(source):
     """The tokenizer saved with ``source``; a folder without one (or one transformers cannot read)
     is a one-line ValueError naming it."""
@@ -251,8 +254,7 @@ def load_tokenizer(source):
         try:
             return transformers.AutoTokenizer.from_pretrained(source.folder, **source.load_kwargs())
         except Exception as e:  # noqa: BLE001 - any failure of the tokenizer's files is the user's to fix
-            detail = " ".join(f"{type(e).__name__}: {e}".split())[:200]
-            raise ValueError(f"models: no tokenizer loads from {source.path} ({detail}); save the "
+            raise ValueError(f"models: no tokenizer loads from {source.path} ({_detail(e)}); save the "
                              f"tokenizer beside the weights (tokenizer.save_pretrained)") from None
 
 
@@ -261,8 +263,8 @@ def load_model(source, settings: Settings):
     import torch
     import transformers
 
+    tok = load_tokenizer(source)
     with _quiet_transformers():
-        tok = load_tokenizer(source)
         model = transformers.AutoModel.from_pretrained(source.folder, dtype=getattr(torch, settings.dtype),
                                                        **source.load_kwargs())
     return model.to(settings.device).eval(), tok
@@ -286,9 +288,8 @@ def _check_positions(source, settings: Settings) -> None:
         try:
             cfg = transformers.AutoConfig.from_pretrained(source.folder, **source.load_kwargs())
         except Exception as e:  # noqa: BLE001 - e.g. a model_type this transformers does not know
-            detail = " ".join(f"{type(e).__name__}: {e}".split())[:200]
             raise ValueError(f"models: transformers {transformers.__version__} cannot read the config of "
-                             f"{source.path} ({detail})") from None
+                             f"{source.path} ({_detail(e)})") from None
     limit = _max_positions(cfg)
     if limit is not None and settings.seq_len > limit:
         raise ValueError(f"--seq-len: {settings.seq_len} is longer than {source.label}'s "
@@ -366,10 +367,16 @@ class _Packed:
         return seconds
 
 
-def _timed(fn, *args, **kwargs):
-    t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - t0
+def _packed(cache: dict, tok, documents, settings: Settings) -> _Packed:
+    """The packed batch of ``tok``'s tokenization (``text.pack``), made once per tokenizer."""
+    from .text import pack
+
+    key = _tokenizer_key(tok)
+    if key not in cache:
+        t0 = time.perf_counter()
+        ids = pack(tok, documents, tokens=settings.tokens, seq_len=settings.seq_len, seed=settings.seed)
+        cache[key] = _Packed(ids, time.perf_counter() - t0)
+    return cache[key]
 
 
 def measure_model(source, settings: Settings, documents, packed_cache: dict, *, progress: bool):
@@ -408,16 +415,11 @@ def _probe_model(model, tok, source, settings: Settings, documents, packed_cache
     timed :meth:`fastspec.Probe.measurement`, solve: ``(records, spectra, skipped sites, ids)``."""
     import torch
 
-    from .text import pack
-
     with clock("tokenize"):
-        key = _tokenizer_key(tok)
-        if key not in packed_cache:
-            packed_cache[key] = _Packed(*_timed(pack, tok, documents, tokens=settings.tokens,
-                                                seq_len=settings.seq_len, seed=settings.seed))
-        ids = packed_cache[key].ids
+        packed = _packed(packed_cache, tok, documents, settings)
+    ids = packed.ids
     # the first model of a tokenizer pays for packing, also when analyze() packed it ahead
-    clock.times["tokenize"] += packed_cache[key].take_seconds()
+    clock.times["tokenize"] += packed.take_seconds()
     probe, skipped = make_probe(model, source.label, settings.sites)
     m = probe.measurement(timed=True)
     batches = ids.split(settings.batch_size)
@@ -503,7 +505,7 @@ def analyze(models, out, *, text=None, text_field: str = "text", tokens: int = 3
     "interrupted") and re-raises ``KeyboardInterrupt``.
     """
     from .sources import architecture, check_series, find_models
-    from .text import pack, read_documents
+    from .text import read_documents
 
     settings = check_settings(Settings(tokens=tokens, seq_len=seq_len, batch_size=batch_size, seed=seed,
                                        text=None if text is None else str(text), text_field=text_field,
@@ -522,9 +524,7 @@ def analyze(models, out, *, text=None, text_field: str = "text", tokens: int = 3
     # the text must hold the budget before anything is written: try the first model's tokenizer
     packed_cache: dict = {}
     if todo:
-        tok = load_tokenizer(todo[0])
-        packed_cache[_tokenizer_key(tok)] = _Packed(*_timed(pack, tok, documents, tokens=settings.tokens,
-                                                            seq_len=settings.seq_len, seed=settings.seed))
+        _packed(packed_cache, load_tokenizer(todo[0]), documents, settings)
         for source in todo:  # a sequence longer than a model's positions: refused now, not mid-run
             _check_positions(source, settings)
     out.mkdir(parents=True, exist_ok=True)
@@ -549,12 +549,15 @@ def analyze(models, out, *, text=None, text_field: str = "text", tokens: int = 3
     if result.skipped:
         print(f"fastspec analyze: {len(result.skipped)} model(s) already done in {out}: skipped", file=log)
     status = "failed"
+    frames: dict = {}
+    tabled = None  # how many models the records table holds as last written here
     try:
         for i, source in enumerate(todo):
             rows, arrays, meta = measure_model(source, settings, documents, packed_cache, progress=progress)
             _write_model(out, rows, arrays, meta)
             done[source.label] = meta
-            _write_records(out, done)
+            _write_records(out, done, frames)
+            tabled = len(done)
             save_config("running")
             result.measured.append(source.label)
             line = f"[{len(result.skipped) + i + 1}/{len(sources)}] {_time_line(meta)}"
@@ -567,7 +570,8 @@ def analyze(models, out, *, text=None, text_field: str = "text", tokens: int = 3
         raise
     finally:  # also on Ctrl-C and errors: the folder says what is finished, and is readable
         if done:
-            _write_records(out, done)
+            if tabled != len(done):  # not yet written by this call (a resume with nothing left to do, an error)
+                _write_records(out, done, frames)
             _write_spectra(out, done)
         save_config(status)
         result.status = status
