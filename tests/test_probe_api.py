@@ -383,3 +383,16 @@ def test_measurement_over_several_batches_is_one_measure_of_all_their_tokens():
         probe.measurement().finish(step=0)
     with pytest.raises(RuntimeError, match="timed=True"):
         probe.measurement().capture_seconds
+
+
+def test_measurement_warns_like_measure_at_the_callers_line():
+    """Measurement.finish warns for rows refused for NaN/Inf, as measure() does, pointing at the caller."""
+    model = build("llama")
+    model.model.layers[0].mlp.down_proj.register_forward_pre_hook(lambda mod, args: (args[0].clone().fill_(float("nan")),))
+    m = fastspec.Probe(model).measurement()
+    m.forward(batch())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m.finish(step=0)
+    found = [w for w in caught if "NaN/Inf" in str(w.message)]
+    assert len(found) == 1 and found[0].filename == __file__

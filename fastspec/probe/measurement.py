@@ -90,11 +90,7 @@ class Measurement:
         if sync:
             torch.cuda.synchronize(device)
         self.solve_seconds = time.perf_counter() - t0
-        probe._warn_missing(self.collector, "in this measurement", stacklevel=3,
-                            records=records if probe._emitter.reports() else None)
-        probe._warn_rejected(records, "in this measurement", stacklevel=3)
-        probe._flush(stacklevel=3)
-        probe._history.extend(records)
+        probe._keep_eval_records(self.collector, records, stacklevel=3)
         return (records, specs) if spectra else records
 
 

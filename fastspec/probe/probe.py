@@ -294,14 +294,20 @@ class Probe:
         self._eval_forward(self._as_batch(batch), collector)
         pending = self._emitter.records(collector, step, tokens_seen, "eval")
         records = [] if pending is None else pending.materialize()
+        self._keep_eval_records(collector, records, stacklevel=3)
+        return records
+
+    def _keep_eval_records(self, collector: Collector, records: list[Record], *, stacklevel: int) -> None:
+        """After an eval measurement (:meth:`measure`, ``Measurement.finish``): warn for its sites
+        without rows and its rows refused for NaN/Inf, then add its records to the history.
+        ``stacklevel`` as for a warning raised in the calling method (3: that method's caller)."""
         # the records hold n and rejected on the host: sites that ran but kept no row are found
         # too; a rank that reports nothing (sync="rank0") judges by what it captured itself
-        self._warn_missing(collector, "in this measurement", stacklevel=3,
+        self._warn_missing(collector, "in this measurement", stacklevel=stacklevel + 1,
                            records=records if self._emitter.reports() else None)
-        self._warn_rejected(records, "in this measurement", stacklevel=3)
-        self._flush(stacklevel=3)
+        self._warn_rejected(records, "in this measurement", stacklevel=stacklevel + 1)
+        self._flush(stacklevel=stacklevel + 1)
         self._history.extend(records)
-        return records
 
     def spectra(self, batch=None) -> dict[tuple[str, int | None], Tensor]:
         """Whole spectra, not just their metrics: ``{(site, layer): [*heads, D]}`` descending.
