@@ -150,3 +150,28 @@ def batch(B: int = 3, T: int = 12, pad: str | None = None, seed: int = 1) -> dic
                 mask[b, T - k:] = 0
         ids = ids.masked_fill(mask == 0, 0)
     return {"input_ids": ids, "attention_mask": mask}
+
+
+def attention_keys(model, ids: torch.Tensor, batch_size: int) -> dict[int, torch.Tensor]:
+    """The keys each layer's attention function receives (post-RoPE, post-k_norm: what attention
+    reads) for ``ids [N, T]`` run in batches of ``batch_size`` sequences, by hand: float64
+    ``{layer: [N·T, H_kv, d_head]}``. Spies on ``ALL_ATTENTION_FUNCTIONS`` (every family that uses
+    the attention interface, whatever its layout), restored afterwards."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    keys: dict[int, list] = {}
+    name = model.config._attn_implementation
+    original = ALL_ATTENTION_FUNCTIONS[name]
+
+    def spy(module, query, key, value, attention_mask, **kw):
+        keys.setdefault(module.layer_idx, []).append(key.detach().transpose(1, 2))  # [B, T, H, d]
+        return original(module, query, key, value, attention_mask, **kw)
+
+    ALL_ATTENTION_FUNCTIONS[name] = spy
+    try:
+        with torch.no_grad():
+            for b in ids.split(batch_size):
+                model(input_ids=b, attention_mask=torch.ones_like(b))
+    finally:
+        ALL_ATTENTION_FUNCTIONS[name] = original
+    return {layer: torch.cat(parts).double().flatten(0, 1) for layer, parts in keys.items()}

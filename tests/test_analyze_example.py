@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from _tiny_models import minilm_dir, transformers
+from _tiny_models import attention_keys, minilm_dir, transformers
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "examples" / "all-MiniLM-L6-v2"
 pytestmark = [pytest.mark.slow,
@@ -28,34 +27,20 @@ def _committed():
     return load_records(EXAMPLE), json.loads((EXAMPLE / "config.json").read_text())
 
 
-def _captures(model, ids: torch.Tensor, batch_size: int):
-    """Post-RoPE keys ``{layer: [N, H, d]}`` from the attention function's inputs (BERT: no RoPE, the
-    keys attention reads) and the FFN down projection's inputs ``{layer: [N, d_ff]}``, by hand."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    keys: dict[int, list] = {}
+def _ffn_inputs(model, ids: torch.Tensor, batch_size: int) -> dict[int, torch.Tensor]:
+    """The FFN down projection's inputs ``{layer: [N, d_ff]}`` (float64), by hand."""
     ffn: dict[int, list] = {}
-    name = model.config._attn_implementation
-    original = ALL_ATTENTION_FUNCTIONS[name]
-
-    def spy(module, query, key, value, attention_mask, **kw):
-        keys.setdefault(module.layer_idx, []).append(key.detach().transpose(1, 2).reshape(-1, *key.shape[1:2],
-                                                                                         key.shape[-1]))
-        return original(module, query, key, value, attention_mask, **kw)
-
     handles = [layer.output.dense.register_forward_pre_hook(
         lambda mod, args, i=i: ffn.setdefault(i, []).append(args[0].detach().reshape(-1, args[0].shape[-1])))
         for i, layer in enumerate(model.encoder.layer)]
-    ALL_ATTENTION_FUNCTIONS[name] = spy
     try:
         with torch.no_grad():
             for b in ids.split(batch_size):
                 model(input_ids=b, attention_mask=torch.ones_like(b))
     finally:
-        ALL_ATTENTION_FUNCTIONS[name] = original
         for h in handles:
             h.remove()
-    return ({i: torch.cat(v).double() for i, v in keys.items()}, {i: torch.cat(v).double() for i, v in ffn.items()})
+    return {i: torch.cat(v).double() for i, v in ffn.items()}
 
 
 def _pr(v: torch.Tensor) -> float:
@@ -77,7 +62,8 @@ def test_example_numbers_are_per_head_svdvals_of_the_same_tokens():
     tok = transformers.AutoTokenizer.from_pretrained(minilm_dir())
     docs, _ = read_documents(EXAMPLE / "text.txt")
     ids = pack(tok, docs, tokens=s["tokens"], seq_len=s["seq_len"], seed=s["seed"])
-    keys, ffn = _captures(model, ids, s["batch_size"])
+    # BERT has no RoPE: the keys attention reads
+    keys, ffn = attention_keys(model, ids, s["batch_size"]), _ffn_inputs(model, ids, s["batch_size"])
     keyed = df[df.site == "keys"]
     got = keyed.set_index(["site", "layer", "head_index", "metric"]).value
     checked = 0

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import warnings
 
+import _checkpoints as ck
 import numpy as np
 import pytest
 import torch
+from _tiny_models import attention_keys
 
-import _checkpoints as ck
 from fastspec.checkpoints import run as analyze_run
 from fastspec.cli import main
 
@@ -86,35 +87,6 @@ def test_a_series_is_measured_in_step_order_with_the_same_tokens(tmp_path):
     assert len(log) == 3 and all("forward" in line and "solve" in line for line in log)
 
 
-def _keys_by_hand(folder, ids: torch.Tensor) -> dict[tuple[int, int], torch.Tensor]:
-    """Post-RoPE keys of every (layer, KV head) of the model in ``folder`` for ``ids``, from a hook
-    on the attention function's inputs (what the model's attention sees)."""
-    model = transformers.AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    keys: dict[int, list] = {}
-    name = model.config._attn_implementation
-    original = ALL_ATTENTION_FUNCTIONS[name]
-
-    def spy(module, query, key, value, attention_mask, **kw):
-        keys.setdefault(module.layer_idx, []).append(key.detach().transpose(1, 2))  # [B, T, H, d]
-        return original(module, query, key, value, attention_mask, **kw)
-
-    ALL_ATTENTION_FUNCTIONS[name] = spy
-    try:
-        with torch.no_grad():
-            for b in ids.split(4):
-                model(input_ids=b)
-    finally:
-        ALL_ATTENTION_FUNCTIONS[name] = original
-    out = {}
-    for layer, parts in keys.items():
-        k = torch.cat(parts).double()  # [N, T, H, d]
-        for h in range(k.shape[2]):
-            out[(layer, h)] = k[:, :, h].reshape(-1, k.shape[-1])
-    return out
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "gpt2"])
 def test_each_family_matches_per_head_svdvals(tmp_path, family):
     from fastspec.checkpoints.text import pack, read_documents
@@ -126,11 +98,12 @@ def test_each_family_matches_per_head_svdvals(tmp_path, family):
     df = _records(out)
     docs, _ = read_documents(None)
     ids = pack(ck.tokenizer(), docs, tokens=SMALL["tokens"], seq_len=SMALL["seq_len"], seed=0)
-    for (layer, head), k in _keys_by_hand(folder, ids).items():
-        sv = torch.linalg.svdvals(k)
-        want = participation_ratio(sv).item()
-        got = _value(df, family, "keys", "participation_ratio", layer, head)
-        assert got == pytest.approx(want, rel=1e-6), (layer, head)
+    model = transformers.AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    for layer, k in attention_keys(model, ids, batch_size=4).items():
+        for head in range(k.shape[1]):
+            want = participation_ratio(torch.linalg.svdvals(k[:, head])).item()
+            got = _value(df, family, "keys", "participation_ratio", layer, head)
+            assert got == pytest.approx(want, rel=1e-6), (layer, head)
     sites = set(df.site)
     assert "ffn" in sites
     # pre-RoPE keys where the family has them (GPT-2 has no rotary embedding); γ with Q/K-norm
