@@ -138,3 +138,45 @@ def test_kernel_cache_holds_the_variants_used(tmp_path, monkeypatch):
     cuda(A)
     (f,) = (tmp_path / "eig").iterdir()
     assert f.name.startswith("eigvalsh-float64-n96-smem-") and nvrtc._unframe(f.read_bytes())
+
+
+# ------------------------------------------------------ every algorithm of the kernel (variants.py)
+def _algorithm_cases() -> list:
+    from fastspec.eig.variants import ALGORITHMS
+
+    out = []
+    for name, a in ALGORITHMS.items():
+        for dtype in a.dtypes:
+            for n in sorted({2, 17, 33, 100, min(a.max_n, 128), min(a.max_n, 256)}):
+                if n <= a.max_n:
+                    out.append(pytest.param(name, dtype, n, id=f"{name}-{dtype}-n{n}"))
+    return out
+
+
+@pytest.mark.parametrize("algo, dtype, n", _algorithm_cases())
+def test_every_algorithm_on_the_battery(algo, dtype, n):
+    """Each algorithm forced (as the race forces it), on every family: the kernel's criterion
+    (float32: 2 x torch's CUDA float32 error + floor; float64: n·eps64·‖A‖ against LAPACK), NaN
+    rows sparing their neighbours, ascending output. An algorithm whose shared memory does not
+    fit this GPU is skipped (the launcher would not choose it)."""
+    from fastspec.eig import cuda as kernel
+
+    spec = kernel.DeviceSpec.of_device(torch.cuda.current_device())
+    try:
+        kernel.variant_for(n, dtype, spec, algo)
+    except ValueError as exc:
+        pytest.skip(str(exc))
+    for family in sorted(FAMILIES):
+        A = torch.from_numpy(make_batch(family, n, 6)).to(getattr(torch, dtype)).cuda()
+        A[3, n - 1, 0] = float("nan")
+        out = torch.empty(A.shape[:2], dtype=A.dtype, device=A.device)
+        kernel.launch(A, out, algo=algo)
+        assert torch.isnan(out[3]).all(), family
+        ok = torch.cat([out[:3], out[4:]])
+        A_ok = torch.cat([A[:3], A[4:]])
+        assert torch.isfinite(ok).all() and (ok.diff(dim=-1) >= 0).all(), family
+        if dtype == "float32":
+            assert_within_torch_error(A_ok, ok)
+        else:
+            ref = reference(A_ok)
+            assert (ok.cpu() - ref).abs().max() <= n * EPS64 * ref.abs().max(), family

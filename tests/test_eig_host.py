@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
+import _eig_team
 import pytest
 import torch
 
 import fastspec
 from fastspec.eig.matrices import FAMILIES, make_batch
 
-EPS32 = float(np.finfo(np.float32).eps)
-EPS64 = float(np.finfo(np.float64).eps)
+EPS32, EPS64 = _eig_team.EPS32, _eig_team.EPS64
 SIZES = [2, 8, 17, 32, 64, 100, 128, 256]
 
 if os.environ.get("FASTSPEC_NO_EXT") == "1":  # built on purpose without the extension: nothing to test
@@ -43,18 +42,8 @@ def host(A: torch.Tensor) -> torch.Tensor:
     return fastspec.eigvalsh(A, solver="host")
 
 
-def reference(A: torch.Tensor) -> torch.Tensor:
-    return torch.from_numpy(np.linalg.eigvalsh(A.double().numpy()))
-
-
-def assert_within_torch_error(A32: torch.Tensor, ours: torch.Tensor) -> None:
-    ref = reference(A32)
-    torch_err = (torch.linalg.eigvalsh(A32).double() - ref).abs().max().item()
-    our_err = (ours.double() - ref).abs().max().item()
-    floor = 8 * EPS32 * ref.abs().max().item()
-    assert our_err <= 2 * torch_err + floor, (
-        f"error {our_err:.3g} > 2 x torch {torch_err:.3g} + floor {floor:.3g} (||A|| {ref.abs().max().item():.3g})"
-    )
+reference = _eig_team.reference  # numpy (LAPACK) float64 eigenvalues of the input itself
+assert_within_torch_error = _eig_team.assert_within_torch_error  # the criterion of the module docstring
 
 
 def test_extension_is_built():
@@ -162,20 +151,14 @@ def test_half_precision_inputs_are_solved_in_fp32():
 
 # ------------------------------------------------- the kernel's parallel algorithm, on threads
 # The one-thread twin runs every loop serially, so it cannot catch a wrong rank/size stride, a
-# missing barrier or a device buffer-layout slip. team_eigvalsh_* runs the same eig_core.h code on
-# round_up(n, 32) host threads (capped at limits.MAX_THREADS, like the kernel's block) with the
-# kernel's barriers, reduction order and padded shared-memory layout (csrc/eig_host.cpp). ~0.6 s
-# per 128 x 128 matrix on 2 cores.
+# missing barrier or a device buffer-layout slip. The team emulation runs the same eig_core.h code
+# on round_up(n, 32) host threads (capped at limits.MAX_THREADS, like the kernel's block) with the
+# kernel's barriers, reduction order and padded shared-memory layout (csrc/eig_host.cpp; helpers in
+# tests/_eig_team.py, shared with the other algorithms' tests). ~0.6 s per 128 x 128 matrix on 2
+# cores.
 
-def team(A: torch.Tensor) -> torch.Tensor:
-    from fastspec.eig import _host
-
-    A = A.contiguous()
-    B, n = A.shape[0], A.shape[-1]
-    out = torch.empty(B, n, dtype=A.dtype)
-    f = _host.team_eigvalsh_f32 if A.dtype == torch.float32 else _host.team_eigvalsh_f64
-    f(A.data_ptr(), out.data_ptr(), B, n, n * n, n, 1, n)
-    return out
+def team(A: torch.Tensor, schedule: int = _eig_team.CONCURRENT) -> torch.Tensor:
+    return _eig_team.team(A, "block", schedule)[0]
 
 
 def _battery() -> list:
@@ -221,3 +204,35 @@ def test_team_emulation_reuses_its_workspace_across_matrices():
     assert torch.isnan(out[1]).all() and torch.equal(out[3], torch.zeros(64))
     for i in (0, 2, 4):
         assert torch.equal(out[i], team(A[i:i + 1])[0])
+
+
+def test_team_emulation_serial_orders_agree_with_the_concurrent_run():
+    # one thread at a time, in rank order or reversed: deterministic, and the same results as the
+    # threads running freely (the algorithm has no race, so the schedule cannot matter)
+    A = torch.from_numpy(make_batch("four-clusters", 45, 2)).float()
+    free = team(A)
+    for order in (_eig_team.FORWARD, _eig_team.REVERSE):
+        assert torch.equal(team(A, order), free)
+
+
+@pytest.mark.parametrize("n", [9, pytest.param(37, marks=pytest.mark.slow)])
+def test_every_barrier_of_the_block_algorithm_is_needed(n):
+    """Leaving out any one FS_SYNC barrier changes the results in one of the two serial orders,
+    except the sites annotated ``// unseen:`` in eig_core.h (each says why)."""
+    A = torch.from_numpy(make_batch("indefinite", n, 2)).float()
+    _eig_team.assert_barriers_needed(A, "block")
+
+
+def test_the_mutation_check_catches_a_missing_barrier():
+    """The check itself: the barrier between the reflector's column update and building the
+    reflector from that column (eig_core.h's tridiagonalize) is left out, and the results move."""
+    A = torch.from_numpy(make_batch("indefinite", 9, 2)).float()
+    base, sites = _eig_team.team(A, "block", _eig_team.FORWARD)
+    lines = (_eig_team.nvrtc.CSRC / "eig_core.h").read_text().splitlines()
+    line = next(i for i, ln in enumerate(lines) if "update_column(team, j, n, wk, u, w);" in ln) + 2
+    assert "FS_SYNC(team)" in lines[line - 1]
+    # its second pass (reflector 1): reflector 0's update is the first that is not a no-op
+    k = [i for i, s in enumerate(sites) if s == 10000 + line][1]
+    moved = [not torch.equal(_eig_team.team(A, "block", order, drop=k)[0], base)
+             for order in (_eig_team.FORWARD, _eig_team.REVERSE)]
+    assert any(moved), _eig_team.site_name(sites[k])

@@ -388,7 +388,7 @@ def test_op_falls_back_to_torch_once_per_reason(monkeypatch, caplog):
 def test_explicit_cuda_solver_raises_with_the_reason(monkeypatch):
     monkeypatch.setattr(native, "status", lambda solver: (True, "pretend"))
 
-    def fail(n, dtype, device):
+    def fail(n, dtype, device, batch=1):
         raise nvrtc.KernelUnavailable("NVRTC could not compile the eigensolver (test); full log: /x.log")
 
     monkeypatch.setattr(cuda, "prepare", fail)
@@ -481,4 +481,4 @@ def test_the_wheel_ships_the_kernel_sources():
     patterns = setuptools["package-data"]["fastspec.eig"]
     shipped = {p for pat in patterns for p in (root / "fastspec" / "eig").glob(pat)}
     assert set(nvrtc.CSRC.iterdir()) <= shipped
-    assert {nvrtc.CSRC / nvrtc.KERNEL_SOURCE, nvrtc.CSRC / nvrtc.CORE_HEADER} <= shipped
+    assert {nvrtc.CSRC / name for name in (nvrtc.KERNEL_SOURCE, *nvrtc.HEADERS)} <= shipped

@@ -43,6 +43,7 @@ def build(tmp_path_factory):
             made[arch, dtype, n] = v, str(path)
         return made[arch, dtype, n]
 
+    get.folder = folder
     return get
 
 
@@ -123,3 +124,27 @@ def test_sturm_loop_has_no_division_slow_path(build):
         assert lp.ops["LDS"] == steps, lp.ops
         assert lp.size / steps <= 8.25, (lp.size, steps, lp.ops)  # 7.3 (NVRTC 13.5), 7.9 (13.0) on sm_90
     assert k.ops["FCHK"] <= 4  # the few IEEE divisions left are once per reflector, not per step
+
+
+@pytest.mark.parametrize("sizes", [pytest.param((64, 128, 256), id="n64-128-256"),
+                                   pytest.param((17, 100, 200), id="n17-100-200", marks=pytest.mark.slow)])
+def test_every_algorithm_compiles_without_spills_within_its_launch_bounds(build, sizes):
+    """Every variant the GPU kit precompiles (each algorithm of fastspec/eig/variants.py at every
+    size and dtype it takes and fits on sm_90), not only the sizes each algorithm's own tests
+    read: no stack, no local memory, and its registers let the launch bounds' blocks reside."""
+    from fastspec.eig import precompile
+
+    work = precompile.todo(90, list(sizes), ["float32", "float64"], ["all"])
+    assert {a for *_, a in work} == {"block", "packed", "regs", "split"}
+    for _, dtype, n, algo in work:
+        if algo == "block":
+            continue  # test_no_spills_and_registers_within_launch_bounds
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("FASTSPEC_CACHE", str(build.folder))
+            v = cuda.variant_for(n, dtype, cuda.DeviceSpec.for_arch(90), algo)
+            img = nvrtc.compile_variant(v, nvrtc.Target(90))
+        path = build.folder / f"sm90-{v.tag}.cubin"
+        path.write_bytes(img.data)
+        res = resource_usage(str(path))[nvrtc.ENTRY]
+        assert res["stack"] == 0 and res["local"] == 0, (v.tag, res)
+        assert res["registers"] * v.threads * v.min_blocks <= 65536, (v.tag, res)

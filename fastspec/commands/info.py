@@ -1,7 +1,8 @@
 """``fastspec info``: versions and solver availability, as one would paste into a bug report.
 
 What it reports comes from the library: :func:`fastspec.sysinfo.environment`,
-:func:`fastspec.solvers` and :func:`fastspec.eig.cuda.build_info`.
+:func:`fastspec.solvers`, :func:`fastspec.eig.cuda.build_info` and
+:func:`fastspec.eig.cuda.selection_info` (which algorithm of the kernel runs where, and why).
 """
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import fastspec
 
-    from ..eig.cuda import build_info
+    from ..eig.cuda import build_info, selection_info
     from ..sysinfo import environment
 
     # "eigvalsh_backends": the key scripts already read, kept through the solver= rename
-    info = {"environment": environment(), "eigvalsh_backends": fastspec.solvers(), "eigvalsh_kernel": build_info()}
+    info = {"environment": environment(), "eigvalsh_backends": fastspec.solvers(), "eigvalsh_kernel": build_info(),
+            "eigvalsh_variants": selection_info()}
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -38,4 +40,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"{'kernel':>10}: compiled at first use by {k['compiler']} ({k['binding']}): {where}")
     print(f"{'cache':>10}: {k['cache']} ({'writable' if k['cache_writable'] else 'NOT writable'}, "
           f"{k['cached_kernels']} kernels; FASTSPEC_CACHE moves it)")
+    sel = info["eigvalsh_variants"]
+    where = "this GPU" if sel["gpu"] else "no GPU here: as on"
+    print(f"{'variant':>10}: the algorithm per problem on {where} sm_{sel['arch']} "
+          f"({sel.get('rows', '?')} measured rows in {sel['table']}; {variants_hint(sel['override'])})")
+    if "error" in sel:
+        print(f"{'':>10}  error: {sel['error']}")
+    for c in sel["choices"]:
+        print(f"{'':>10}  {c['dtype']} n {c['n']:<3} x{c['batch']:<5} {c['algo']:<6} {c['why']}")
     return 0
+
+
+def variants_hint(override: str | None) -> str:
+    return f"FASTSPEC_EIG_VARIANT={override}" if override else "FASTSPEC_EIG_VARIANT forces one"

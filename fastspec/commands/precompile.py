@@ -1,6 +1,6 @@
 """``fastspec precompile``: compile the CUDA eigensolver ahead of time into the kernel cache.
 
-    fastspec precompile --arch 90 [--n 64 128 256] [--dtype float32 float64] [--jobs N]
+    fastspec precompile --arch 90 [--n 64 128 256] [--dtype float32 float64] [--algo block|all|NAME...] [--jobs N]
 
 For a GPU that need not be here: a container image or a shared cluster cache built once, and the
 GPU kit (``benchmarks/gpu_run.py``), which fills its cache before its timed steps. The work is
@@ -18,6 +18,7 @@ import time
 from .. import _args
 
 DTYPES = ("float32", "float64")  # fastspec.eig.cuda.ITEMSIZE's keys, here so --help imports no torch
+ALGOS = ("all", "block", "packed", "regs", "split")  # fastspec.eig.variants.ALGORITHMS (tests check), likewise
 
 
 def _arch(text: str) -> int:
@@ -52,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", type=_arch, required=True, help="compute capability, e.g. 90 for H100/H200")
     p.add_argument("--n", type=_size, nargs="+", default=[64, 128, 256], help="matrix sizes (default 64 128 256)")
     p.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=DTYPES)
+    p.add_argument("--algo", nargs="+", default=["block"], choices=ALGOS,
+                   help="the kernel's algorithms (fastspec/eig/variants.py); 'all': every one that takes the size "
+                        "(default: block)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="parallel compiles (default: one per CPU core)")
 
@@ -60,18 +64,18 @@ def run(args: argparse.Namespace) -> int:
     _args.integer("--jobs", args.jobs, minimum=1)
     from ..eig import nvrtc
     from ..eig.nvrtc import KernelUnavailable
-    from ..eig.precompile import precompile
+    from ..eig.precompile import precompile, todo
 
     try:
         ver = nvrtc.version()
         print(f"NVRTC {ver[0]}.{ver[1]}, cache {nvrtc.cache_dir()}, "
-              f"{len(args.dtype) * len(args.n)} variants for sm_{args.arch}")
+              f"{len(todo(args.arch, args.n, args.dtype, args.algo))} variants for sm_{args.arch}")
         t0 = time.perf_counter()
-        done = precompile(args.arch, args.n, args.dtype, args.jobs)
+        done = precompile(args.arch, args.n, args.dtype, args.jobs, args.algo)
     except KernelUnavailable as exc:
         print(f"fastspec: {exc}", file=sys.stderr)
         return 1
     for tag, origin, seconds in done:
-        print(f"  {tag:<36} {origin:<6} {seconds * 1e3:8.1f} ms")
+        print(f"  {tag:<44} {origin:<6} {seconds * 1e3:8.1f} ms")
     print(f"done in {time.perf_counter() - t0:.1f} s")
     return 0

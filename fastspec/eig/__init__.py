@@ -7,6 +7,9 @@
   and the host twin's launcher (module ``_host``, built by setup.py from ``fastspec/eig/csrc/``);
 * ``cuda.py`` (launch plan, driver) and ``nvrtc.py`` (compile at first use, disk cache) for the
   CUDA kernel; ``precompile.py`` fills the cache ahead of time;
+* ``variants.py``: the kernel's algorithms (block, packed, regs, split) and which one runs for a
+  GPU, dtype, n and batch, from the measured table ``selection.json`` (``FASTSPEC_EIG_VARIANT``
+  forces one);
 * ``limits.py``: the limits and layout numbers, the one place they are written (the C++/CUDA
   sources get them as macros);
 * ``matrices.py``: the test-matrix families the tests and ``fastspec compare`` draw from;

@@ -31,8 +31,8 @@ import torch
 from torch import Tensor
 
 from .._trace import assume_constant_result
-from . import nvrtc
-from .limits import GRID, MAX_N, MAX_THREADS, SCRATCH
+from . import nvrtc, variants
+from .limits import MAX_N, MAX_THREADS, SCRATCH
 from .nvrtc import KernelUnavailable, Variant
 
 RESERVED_SMEM = 1024  # shared memory the driver keeps per block on sm_80 and newer
@@ -40,20 +40,16 @@ ITEMSIZE = {"float32": 4, "float64": 8}
 REGISTER_THREADS = 512  # threads per SM the 64K registers are sized for at most: >= 128 per thread
 
 
-def _round_up4(x: int) -> int:
-    return (x + 3) & ~3
-
-
 def block_work_elems(n: int, matrix_here: bool) -> int:
-    """Reals of one block's work arrays: eig_core.h's ``block_work_elems`` (the two are checked
-    equal by tests/test_eig_nvrtc.py): ``[matrix n x (n + 1)] [d, e, v, w, v2] [p2]``."""
-    n4 = _round_up4(n)
-    return (_round_up4(n * (n + 1)) if matrix_here else 0) + 5 * n4 + max(n4, GRID)
+    """Reals of one block's work arrays of the block algorithm (:func:`.variants.block_work_elems`,
+    eig_core.h's ``block_work_elems``; tests/test_eig_nvrtc.py checks the two equal)."""
+    return variants.block_work_elems(n, matrix_here)
 
 
-def smem_bytes(n: int, dtype: str, matrix_here: bool) -> int:
+def smem_bytes(n: int, dtype: str, matrix_here: bool, algo: str = "block") -> int:
     """Dynamic shared memory of one block: the work arrays, then the reduction scratch."""
-    return ITEMSIZE[dtype] * (block_work_elems(n, matrix_here) + SCRATCH)
+    elems = block_work_elems(n, matrix_here) if algo == "block" else variants.ALGORITHMS[algo].smem_elems(n)
+    return ITEMSIZE[dtype] * (elems + SCRATCH)
 
 
 @dataclass(frozen=True)
@@ -84,10 +80,27 @@ class DeviceSpec:
         return cls(cc, optin * 1024, per_sm * 1024, sms)
 
 
-def variant_for(n: int, dtype: str, spec: DeviceSpec) -> Variant:
-    """The compile-time specialization for ``n`` and ``dtype`` on this GPU."""
+def variant_for(n: int, dtype: str, spec: DeviceSpec, algo: str = "block") -> Variant:
+    """The compile-time specialization of algorithm ``algo`` for ``n`` and ``dtype`` on this GPU;
+    ValueError when the algorithm does not take them or its shared memory does not fit."""
     if not 1 <= n <= MAX_N:
         raise ValueError(f"n: must be in [1, {MAX_N}], got {n}")
+    if algo != "block":
+        a = variants.ALGORITHMS.get(algo)
+        if a is None:
+            raise ValueError(f"algo: expected one of {sorted(variants.ALGORITHMS)}, got {algo!r}")
+        if not a.takes(n, dtype):
+            raise ValueError(f"algo: {algo!r} takes {'/'.join(a.dtypes)} with n <= {a.max_n}, got {dtype} n = {n}")
+        smem = smem_bytes(n, dtype, True, algo)
+        if smem > spec.smem_optin:
+            raise ValueError(f"algo: {algo!r} needs {smem} bytes of shared memory for {dtype} n = {n}, "
+                             f"sm_{spec.cc} gives a block {spec.smem_optin}")
+        threads = a.threads(n)
+        resident = spec.smem_per_sm // (smem + RESERVED_SMEM)
+        # the launch bounds ask for every block shared memory lets reside, down to the algorithm's
+        # register floor per thread (128, but 96 for packed float32: below it NVRTC may spill)
+        return Variant(dtype, n, True, threads, max(1, min(resident, 65536 // (threads * a.registers(dtype)))),
+                       algo)
     threads = min(-(-n // 32) * 32, MAX_THREADS)
     smem = smem_bytes(n, dtype, True) <= spec.smem_optin
     resident = spec.smem_per_sm // (smem_bytes(n, dtype, smem) + RESERVED_SMEM)
@@ -105,12 +118,31 @@ class Plan:
     smem: int        # dynamic shared memory per block, bytes
     grid: int
     workspace: int   # reals of global workspace (0 when the matrix is in shared memory)
+    why: str = ""    # why this algorithm (variants.choose)
 
 
-def plan(batch: int, n: int, dtype: str, spec: DeviceSpec) -> Plan:
-    v = variant_for(n, dtype, spec)
+def choose_variant(batch: int, n: int, dtype: str, spec: DeviceSpec) -> tuple[Variant, str]:
+    """The variant that runs ``batch`` matrices ``n x n`` on this GPU and why: the first of
+    :func:`.variants.choose`'s answers whose shared memory fits (the block algorithm always does)."""
+    skipped = []
+    for c in variants.choose(spec.cc, dtype, n, batch):
+        try:
+            v = variant_for(n, dtype, spec, c.algo)
+        except ValueError as exc:  # shared memory does not fit this GPU
+            skipped.append(f"{c.algo}: {exc}")
+            continue
+        return v, "; ".join([c.why, *(f"not {s}" for s in skipped)])
+    raise AssertionError("unreachable: the block algorithm takes every n")
+
+
+def plan(batch: int, n: int, dtype: str, spec: DeviceSpec, algo: str | None = None) -> Plan:
+    """The launch of ``batch`` matrices: ``algo`` when given, else :func:`choose_variant`'s."""
+    if algo is None:
+        v, why = choose_variant(batch, n, dtype, spec)
+    else:
+        v, why = variant_for(n, dtype, spec, algo), f"asked for {algo}"
     grid = min(batch, 2**31 - 1) if v.smem else min(batch, 4 * spec.sms)
-    return Plan(v, smem_bytes(n, dtype, v.smem), grid, 0 if v.smem else grid * n * n)
+    return Plan(v, smem_bytes(n, dtype, v.smem, v.algo), grid, 0 if v.smem else grid * n * n, why)
 
 
 # --- the driver --------------------------------------------------------------------------------
@@ -204,6 +236,29 @@ def build_info() -> dict[str, object]:
     return info
 
 
+SHOWN = (("float32", 128, 4096), ("float64", 128, 256), ("float32", 256, 512), ("float32", 64, 4096))
+"""The problems ``fastspec info`` shows the algorithm choice for: the race's shapes."""
+
+
+def selection_info() -> dict[str, object]:
+    """Which algorithm :func:`choose_variant` picks, and why, for the problems of :data:`SHOWN` on
+    this GPU (sm_90 without one), plus the table and the override (``fastspec info``)."""
+    if torch.cuda.is_available():
+        spec = DeviceSpec.of_device(torch.cuda.current_device())
+    else:
+        spec = DeviceSpec.for_arch(90)
+    out: dict[str, object] = {"arch": spec.cc, "gpu": torch.cuda.is_available(), "table": str(variants.TABLE),
+                              "override": os.environ.get(variants.ENV) or None, "choices": []}
+    try:
+        out["rows"] = len(variants.load_table())
+        for dtype, n, batch in SHOWN:
+            v, why = choose_variant(batch, n, dtype, spec)
+            out["choices"].append({"dtype": dtype, "n": n, "batch": batch, "algo": v.algo, "why": why})
+    except ValueError as exc:  # a bad FASTSPEC_EIG_VARIANT or table: said, not raised
+        out["error"] = str(exc)
+    return out
+
+
 def _writable(folder) -> bool:
     """Whether ``folder`` can be written, or created under its nearest existing parent."""
     probe = folder
@@ -275,10 +330,12 @@ def forget() -> None:
         _loaded.clear()
 
 
-def prepare(n: int, dtype: torch.dtype | str, device: torch.device | int, batch: int = 1) -> tuple[_Loaded, Plan]:
+def prepare(n: int, dtype: torch.dtype | str, device: torch.device | int, batch: int = 1,
+            algo: str | None = None) -> tuple[_Loaded, Plan]:
     """Compile (or find in the cache), load and configure the kernel for ``n``/``dtype`` on
-    ``device``; returns it with the plan of a ``batch``-matrix solve. KernelUnavailable with the
-    reason."""
+    ``device``; returns it with the plan of a ``batch``-matrix solve: algorithm ``algo``, or the
+    one :func:`choose_variant` picks (the block algorithm when the picked one cannot be had, said
+    once on the ``fastspec`` logger). KernelUnavailable with the reason."""
     dt = str(dtype).removeprefix("torch.")
     if dt not in ITEMSIZE:
         raise KernelUnavailable(f"the CUDA eigensolver takes float32/float64, got {dt}")
@@ -286,17 +343,15 @@ def prepare(n: int, dtype: torch.dtype | str, device: torch.device | int, batch:
     driver = _driver()
     with _lock:
         spec, target = _device_setup(index)
-        p = plan(batch, n, dt, spec)
-        key = (p.variant, target.arch)
-        if key in _failed:  # a kernel that could not be had is not tried again in this process
-            raise KernelUnavailable(_failed[key])
-        entry = _loaded.get(key)
-        if entry is None:
-            try:
-                entry = _loaded[key] = _load(driver, p.variant, target)
-            except KernelUnavailable as exc:
-                _failed[key] = str(exc)
+        p = plan(batch, n, dt, spec, algo)
+        try:
+            entry = _get(driver, p.variant, target)
+        except KernelUnavailable as exc:
+            if algo is not None or p.variant.algo == "block":
                 raise
+            variants.say_once(f"the {p.variant.algo} algorithm ({p.why}) cannot be had ({exc}); using block")
+            p = plan(batch, n, dt, spec, "block")
+            entry = _get(driver, p.variant, target)
         if index not in entry.devices:
             dev = _check(driver.cuDeviceGet(index), "cuDeviceGet")
             attr = driver.CUfunction_attribute
@@ -310,6 +365,21 @@ def prepare(n: int, dtype: torch.dtype | str, device: torch.device | int, batch:
     return entry, p
 
 
+def _get(driver, variant: Variant, target: nvrtc.Target) -> _Loaded:
+    """The loaded kernel of ``variant`` (compiled and loaded on first use; caller holds _lock)."""
+    key = (variant, target.arch)
+    if key in _failed:  # a kernel that could not be had is not tried again in this process
+        raise KernelUnavailable(_failed[key])
+    entry = _loaded.get(key)
+    if entry is None:
+        try:
+            entry = _loaded[key] = _load(driver, variant, target)
+        except KernelUnavailable as exc:
+            _failed[key] = str(exc)
+            raise
+    return entry
+
+
 def launch_args(in_ptr: int, out_ptr: int, work_ptr: int, batch: int, strides: tuple[int, int, int],
                 out_stride: int) -> list:
     """The kernel's parameters as ctypes values, in the order and widths of ``fastspec_eigvalsh``:
@@ -320,13 +390,14 @@ def launch_args(in_ptr: int, out_ptr: int, work_ptr: int, batch: int, strides: t
             *(ctypes.c_longlong(v) for v in (batch, sb, sr, sc, out_stride))]
 
 
-def launch(A3: Tensor, out: Tensor) -> None:
+def launch(A3: Tensor, out: Tensor, algo: str | None = None) -> None:
     """Eigenvalues of ``A3: [B, n, n]`` (lower triangle, B and n >= 1, any strides) into
     ``out: [B, n]`` (ascending, contiguous rows), asynchronous on the current stream of their
-    device; float32/float64."""
+    device; float32/float64. ``algo``: an algorithm of :mod:`.variants` (the race times each),
+    else the one the selection table picks."""
     B, n = out.shape
     index = device_index(A3.device)
-    entry, p = prepare(n, A3.dtype, index, batch=B)
+    entry, p = prepare(n, A3.dtype, index, batch=B, algo=algo)
     work = torch.empty(p.workspace, dtype=A3.dtype, device=A3.device) if p.workspace else None
     args = launch_args(A3.data_ptr(), out.data_ptr(), work.data_ptr() if work is not None else 0, B, A3.stride(),
                        out.stride(0))

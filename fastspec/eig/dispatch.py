@@ -32,6 +32,7 @@ zero-copy through ``torch.from_dlpack`` and come back as the input's type throug
 """
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 from collections.abc import Callable
@@ -155,7 +156,7 @@ def _prepare_cuda(A: Tensor) -> None:
     if torch.compiler.is_compiling() or is_fake(A):
         return  # traced: the op compiles at its first real run
     try:
-        cuda.prepare(A.shape[-1], A.dtype, A.device)
+        cuda.prepare(A.shape[-1], A.dtype, A.device, batch=max(1, math.prod(A.shape[:-2])))
     except KernelUnavailable as exc:
         raise RuntimeError(f"solver: 'cuda' unavailable: {exc}") from None
 

@@ -39,7 +39,9 @@ from . import limits
 log = logging.getLogger("fastspec")
 
 CSRC = Path(__file__).with_name("csrc")
-KERNEL_SOURCE, CORE_HEADER = "eig_kernel.cu", "eig_core.h"
+KERNEL_SOURCE = "eig_kernel.cu"
+# the headers the kernel includes (eig_host.h is the host twin's): the core and every algorithm
+HEADERS = ("eig_core.h", "eig_algos.h", "eig_packed.h", "eig_regs.h", "eig_split.h")
 ENTRY = "fastspec_eigvalsh"  # the kernel's extern "C" name
 FORMAT = b"fastspec-eig-image-1\n"  # first line of every cache file; a new format is a new key
 OPTIONS = ("-std=c++17", "--generate-line-info")  # line info: Nsight Compute's source view; no cost
@@ -59,14 +61,19 @@ class Variant:
     smem: bool        # the matrix in shared memory (else a global workspace)
     threads: int      # block size: round_up(n, 32), at most limits.MAX_THREADS
     min_blocks: int   # resident blocks per SM the register budget is sized for (launch bounds)
+    algo: str = "block"  # the algorithm (fastspec/eig/variants.py, eig_algos.h)
 
     def defines(self) -> list[str]:
+        from .variants import ALGORITHMS  # noqa: PLC0415 - variants imports nothing of this module
+
         return [f"-DFS_REAL={_REALS[self.dtype]}", f"-DFS_N={self.n}", f"-DFS_SMEM={int(self.smem)}",
-                f"-DFS_THREADS={self.threads}", f"-DFS_MIN_BLOCKS={self.min_blocks}"]
+                f"-DFS_THREADS={self.threads}", f"-DFS_MIN_BLOCKS={self.min_blocks}",
+                f"-DFS_ALGO={ALGORITHMS[self.algo].id}"]
 
     @property
     def tag(self) -> str:
-        return f"{self.dtype}-n{self.n}-{'smem' if self.smem else 'global'}-t{self.threads}-b{self.min_blocks}"
+        algo = "" if self.algo == "block" else f"{self.algo}-"
+        return f"{algo}{self.dtype}-n{self.n}-{'smem' if self.smem else 'global'}-t{self.threads}-b{self.min_blocks}"
 
 
 @dataclass(frozen=True)
@@ -197,7 +204,7 @@ def cache_dir() -> Path:
 
 def sources() -> dict[str, str]:
     """The kernel's source files, by name (what is compiled and what the key hashes)."""
-    return {name: (CSRC / name).read_text() for name in (KERNEL_SOURCE, CORE_HEADER)}
+    return {name: (CSRC / name).read_text() for name in (KERNEL_SOURCE, *HEADERS)}
 
 
 def _options(variant: Variant, target: Target, extra: tuple[str, ...]) -> list[str]:
@@ -258,8 +265,9 @@ def _compile(src: dict[str, str], variant: Variant, target: Target, extra: tuple
     """NVRTC: the sources ``src`` (:func:`sources`) -> (cubin or PTX, log). KernelUnavailable on a
     compile error, with the log written to a file the message names."""
     nvrtc = _nvrtc()
-    prog = _call(nvrtc.nvrtcCreateProgram(src[KERNEL_SOURCE].encode(), KERNEL_SOURCE.encode(), 1,
-                                          [src[CORE_HEADER].encode()], [CORE_HEADER.encode()]), "create program")
+    prog = _call(nvrtc.nvrtcCreateProgram(src[KERNEL_SOURCE].encode(), KERNEL_SOURCE.encode(), len(HEADERS),
+                                          [src[h].encode() for h in HEADERS], [h.encode() for h in HEADERS]),
+                 "create program")
     try:
         opts = [o.encode() for o in _options(variant, target, extra)]
         status = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]

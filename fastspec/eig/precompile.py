@@ -1,10 +1,11 @@
 """Fill the CUDA eigensolver's kernel cache ahead of time, for a GPU that need not be here.
 
-    fastspec precompile --arch 90 [--n 64 128 256] [--dtype float32 float64] [--jobs N]
+    fastspec precompile --arch 90 [--n 64 128 256] [--dtype float32 float64] [--algo block|all|NAME...] [--jobs N]
     python -m fastspec.eig.precompile ...       # the same command
 
 :func:`precompile` compiles, in parallel, the variants a GPU of compute capability ``arch`` would
-compile at first use (the same plan as :mod:`.cuda`, from the arch's shared-memory table) into
+compile at first use (the same plan as :mod:`.cuda`, from the arch's shared-memory table), for the
+block algorithm or any others of :mod:`.variants` (``"all"``: every one that takes the size), into
 ``$FASTSPEC_CACHE`` (:mod:`.nvrtc`), and returns each one's time: for a container image or a
 shared cluster cache built once, and for the GPU kit, which fills its cache before its timed
 steps. The command line is :mod:`fastspec.commands.precompile`.
@@ -15,26 +16,50 @@ import sys
 
 from . import nvrtc
 from .cuda import DeviceSpec, variant_for
+from .variants import ALGORITHMS
 
 
-def _compile_one(args: tuple[int, str, int]) -> tuple[str, str, float]:
-    arch, dtype, n = args
-    img = nvrtc.compile_variant(variant_for(n, dtype, DeviceSpec.for_arch(arch)), nvrtc.choose_target(arch))
+def _compile_one(args: tuple[int, str, int, str]) -> tuple[str, str, float]:
+    arch, dtype, n, algo = args
+    img = nvrtc.compile_variant(variant_for(n, dtype, DeviceSpec.for_arch(arch), algo), nvrtc.choose_target(arch))
     return img.variant.tag, img.origin, img.seconds
 
 
-def precompile(arch: int, sizes, dtypes, jobs: int = 1) -> list[tuple[str, str, float]]:
-    """Compile the variant of every (dtype in ``dtypes``, n in ``sizes``) for sm_``arch`` into the
-    kernel cache, ``jobs`` processes at a time; ``(tag, origin, seconds)`` per variant, where
-    ``origin`` says whether NVRTC compiled it or the cache had it. Raises
-    :class:`~.nvrtc.KernelUnavailable` when NVRTC cannot compile here."""
-    todo = [(arch, d, n) for d in dtypes for n in sizes]
-    if jobs > 1 and len(todo) > 1:
+def todo(arch: int, sizes, dtypes, algos=("block",)) -> list[tuple[int, str, int, str]]:
+    """``(arch, dtype, n, algo)`` of every variant to compile: each algorithm of ``algos`` (names of
+    :data:`.variants.ALGORITHMS`, or ``"all"``) for every size and dtype it takes and whose shared
+    memory fits sm_``arch``. ValueError for an unknown name."""
+    names = list(ALGORITHMS) if "all" in algos else list(dict.fromkeys(algos))
+    unknown = [a for a in names if a not in ALGORITHMS]
+    if unknown:
+        raise ValueError(f"algo: expected names of {sorted(ALGORITHMS)} or 'all', got {unknown}")
+    spec = DeviceSpec.for_arch(arch)
+    out = []
+    for a in names:
+        for d in dtypes:
+            for n in sizes:
+                if not ALGORITHMS[a].takes(n, d):
+                    continue
+                try:
+                    variant_for(n, d, spec, a)
+                except ValueError:  # its shared memory does not fit this arch
+                    continue
+                out.append((arch, d, n, a))
+    return out
+
+
+def precompile(arch: int, sizes, dtypes, jobs: int = 1, algos=("block",)) -> list[tuple[str, str, float]]:
+    """Compile the variant of every (algorithm in ``algos``, dtype in ``dtypes``, n in ``sizes``)
+    for sm_``arch`` into the kernel cache (:func:`todo`), ``jobs`` processes at a time;
+    ``(tag, origin, seconds)`` per variant, where ``origin`` says whether NVRTC compiled it or the
+    cache had it. Raises :class:`~.nvrtc.KernelUnavailable` when NVRTC cannot compile here."""
+    work = todo(arch, sizes, dtypes, algos)
+    if jobs > 1 and len(work) > 1:
         from concurrent.futures import ProcessPoolExecutor  # noqa: PLC0415
 
-        with ProcessPoolExecutor(min(jobs, len(todo))) as pool:
-            return list(pool.map(_compile_one, todo))
-    return [_compile_one(j) for j in todo]
+        with ProcessPoolExecutor(min(jobs, len(work))) as pool:
+            return list(pool.map(_compile_one, work))
+    return [_compile_one(j) for j in work]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,12 +4,13 @@
 // is compiled at run time by NVRTC (fastspec/eig/nvrtc.py). The module reports the limits it was
 // compiled with (MAX_N, ...: the macros of fastspec/eig/limits.py), so Python can tell a stale build.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
 #include <stdexcept>
 #include <string>
 
-#include "eig_core.h"
+#include "eig_algos.h"
 #include "eig_host.h"
 
 namespace py = pybind11;
@@ -31,6 +32,23 @@ void host_entry(uintptr_t in, uintptr_t out, int64_t batch, int n, int64_t sb, i
   F(reinterpret_cast<const Real*>(in), reinterpret_cast<Real*>(out), batch, n, sb, sr, sc, osb);
 }
 
+template <class Real, std::vector<int> (*F)(const Real*, Real*, int64_t, int, int64_t, int64_t, int64_t, int64_t, int,
+                                            int, int64_t)>
+std::vector<int> team_entry(uintptr_t in, uintptr_t out, int64_t batch, int n, int64_t sb, int64_t sr, int64_t sc,
+                            int64_t osb, int algo, int schedule, int64_t drop) {
+  check_problem(in, out, batch, n);
+  if (algo < 0 || algo >= fastspec::kAlgoCount)
+    throw std::invalid_argument("algo: must be in [0, " + std::to_string(fastspec::kAlgoCount) + "), got " +
+                                std::to_string(algo));
+  if (n > fastspec::algo_max_n(algo))
+    throw std::invalid_argument("n: algorithm " + std::to_string(algo) + " takes n <= " +
+                                std::to_string(fastspec::algo_max_n(algo)) + ", got " + std::to_string(n));
+  if (schedule < 0 || schedule > 2) throw std::invalid_argument("schedule: must be 0, 1 or 2");
+  py::gil_scoped_release release;
+  return F(reinterpret_cast<const Real*>(in), reinterpret_cast<Real*>(out), batch, n, sb, sr, sc, osb, algo, schedule,
+           drop);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_host, m) {
@@ -46,11 +64,27 @@ PYBIND11_MODULE(_host, m) {
   m.def("host_eigvalsh_f32", &host_entry<float, fastspec::host_eigvalsh_f32>, host_doc);
   m.def("host_eigvalsh_f64", &host_entry<double, fastspec::host_eigvalsh_f64>, host_doc);
   const char* team_doc =
-      "(in_ptr, out_ptr, batch, n, stride_batch, stride_row, stride_col, out_stride_batch): tests only; the CUDA "
-      "kernel's parallel algorithm run by host threads (one per column, the kernel's barriers, reduction order and "
-      "shared-memory layout). Slow.";
-  m.def("team_eigvalsh_f32", &host_entry<float, fastspec::team_eigvalsh_f32>, team_doc);
-  m.def("team_eigvalsh_f64", &host_entry<double, fastspec::team_eigvalsh_f64>, team_doc);
+      "(in_ptr, out_ptr, batch, n, stride_batch, stride_row, stride_col, out_stride_batch, algo=0, schedule=0, "
+      "drop=-1) -> [line of each barrier]: tests only; algorithm `algo` of the CUDA kernel run by host threads (its "
+      "team size, barriers, reduction order and shared-memory layout). schedule 0: threads run freely; 1/2: one at "
+      "a time in rank order / reverse rank order (deterministic). drop: the barrier (index in the returned list) "
+      "every thread leaves out. Slow.";
+  m.def("team_eigvalsh_f32", &team_entry<float, fastspec::team_eigvalsh_f32>, team_doc, py::arg("in_ptr"),
+        py::arg("out_ptr"), py::arg("batch"), py::arg("n"), py::arg("stride_batch"), py::arg("stride_row"),
+        py::arg("stride_col"), py::arg("out_stride_batch"), py::arg("algo") = 0, py::arg("schedule") = 0,
+        py::arg("drop") = -1);
+  m.def("team_eigvalsh_f64", &team_entry<double, fastspec::team_eigvalsh_f64>, team_doc, py::arg("in_ptr"),
+        py::arg("out_ptr"), py::arg("batch"), py::arg("n"), py::arg("stride_batch"), py::arg("stride_row"),
+        py::arg("stride_col"), py::arg("out_stride_batch"), py::arg("algo") = 0, py::arg("schedule") = 0,
+        py::arg("drop") = -1);
+  m.attr("ALGOS") = py::dict(py::arg("block") = int(fastspec::kAlgoBlock), py::arg("packed") = int(fastspec::kAlgoPacked),
+                             py::arg("regs") = int(fastspec::kAlgoRegs), py::arg("split") = int(fastspec::kAlgoSplit));
+  m.def("algo_threads", [](int algo, int n) { return fastspec::algo_threads(algo, n); }, py::arg("algo"), py::arg("n"),
+        "team (CUDA block) size of algorithm `algo` for n x n matrices (eig_algos.h)");
+  m.def("algo_smem_elems", [](int algo, int n) { return fastspec::algo_smem_elems(algo, n); }, py::arg("algo"),
+        py::arg("n"), "reals of shared work memory of algorithm `algo` (before the reduction scratch)");
+  m.def("algo_max_n", [](int algo) { return fastspec::algo_max_n(algo); }, py::arg("algo"),
+        "largest n algorithm `algo` takes");
   m.def("block_work_elems", [](int n, bool matrix_here) { return fastspec::block_work_elems(n, matrix_here); },
         py::arg("n"), py::arg("matrix_here"),
         "reals of one CUDA block's work arrays (eig_core.h); tests check the launcher's copy of the formula");

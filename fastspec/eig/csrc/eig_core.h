@@ -61,6 +61,14 @@ typedef long long int64_t;
 #include <cstdint>
 #endif
 
+// A team barrier, tagged with its site: FS_SITE_BASE (10000 x a number of its own, defined by each
+// header after its includes) + the source line. The team emulation (eig_host.cpp) records the site
+// of every barrier it passes and can leave one out, which is how the tests show that each barrier
+// of each algorithm is needed and that a missing one would be caught. Devices ignore it.
+#define FS_SYNC(team) (team).sync(FS_SITE_BASE + __LINE__)
+#undef FS_SITE_BASE
+#define FS_SITE_BASE 10000
+
 #if defined(__CUDACC__)
 #define FS_HD __host__ __device__ __forceinline__
 #define FS_PRAGMA(x) _Pragma(#x)  // loop pragmas for nvcc only (the host compiler's vectorizer decides)
@@ -129,7 +137,7 @@ template <> struct Num<double> {
 struct HostTeam {
   int rank() const { return 0; }
   int size() const { return 1; }
-  void sync() const {}
+  void sync(int = 0) const {}
   template <class Real> Real sum(Real x) const { return x; }
   template <class Real> Real max(Real x) const { return x; }
 };
@@ -356,7 +364,7 @@ FS_HD void finish_w(const Team& team, int r0, int n, Real tau, const Real* u, Re
   for (int c = r0 + team.rank(); c < n; c += team.size()) local += p[c] * u[c];
   const Real half_tau_pu = Real(0.5) * tau * team.sum(local);
   for (int c = (r0 & ~3) + team.rank(); c < n; c += team.size()) p[c] = c < r0 ? Real(0) : p[c] - half_tau_pu * u[c];
-  team.sync();
+  FS_SYNC(team);
 }
 
 // Step 3: A <- Q^T A Q tridiagonal; writes d[0..n-1], e[0..n-2]. Destroys wk.a, v, w, v2, p2.
@@ -369,19 +377,19 @@ template <class Team, class Real>
 FS_HD void tridiagonalize(const Team& team, int n, Work<Real> wk) {
   Real *u = wk.v, *w = wk.w, *u2 = wk.v2, *p2 = wk.p2;
   for (int i = team.rank(); i < n; i += team.size()) { u[i] = 0; w[i] = 0; }
-  team.sync();
+  FS_SYNC(team);
   Real tau = 0;
   for (int j = 0; j + 2 < n; ++j) {
     if (j > 0) finish_w(team, j, n, tau, u, w);  // reflector j-1's w, rows >= j
     update_column(team, j, n, wk, u, w);
-    team.sync();
+    FS_SYNC(team);
     const Real tau2 = make_reflector(team, j, n, wk, u2);
-    team.sync();
+    FS_SYNC(team);
     if (wk.rs == kPaddedRows128)  // uniform; the aimed-for size gets constant row offsets
       update_trailing<true, kPaddedRows128>(team, j + 1, j & ~3, n, wk, u, w, u2, tau2, p2);
     else
       update_trailing<true>(team, j + 1, j & ~3, n, wk, u, w, u2, tau2, p2);
-    team.sync();
+    FS_SYNC(team);  // unseen: redundant, finish_w's reduction (a barrier) comes first in the next step; kept in the kernel measured 2026-11-26
     Real* t = u; u = u2; u2 = t;
     t = w; w = p2; p2 = t;
     tau = tau2;
@@ -390,7 +398,7 @@ FS_HD void tridiagonalize(const Team& team, int n, Work<Real> wk) {
   const int last = n >= 2 ? n - 2 : 0;
   if (n >= 3) finish_w(team, last, n, tau, u, w);
   update_trailing<false>(team, last, last & ~3, n, wk, u, w, u2, Real(0), p2);
-  team.sync();
+  FS_SYNC(team);
   if (team.rank() == 0) {
     const Real* a = wk.a;
     const int rs = wk.rs, cs = wk.cs;
@@ -400,7 +408,7 @@ FS_HD void tridiagonalize(const Team& team, int n, Work<Real> wk) {
     }
     wk.d[n - 1] = a[(n - 1) * rs + (n - 1) * cs];
   }
-  team.sync();
+  FS_SYNC(team);
 }
 
 // Two consecutive entries, 8-byte (fp32) / 16-byte (fp64) aligned on the device: one load.
@@ -471,11 +479,11 @@ FS_HD void bisect_all(const Team& team, int n, Work<Real> wk) {
   lo -= widen;
   hi += widen;
   const Real tol = eps * tnorm;  // final interval width: error <= eps/2 * ||T||
-  team.sync();  // te complete
+  FS_SYNC(team);  // te complete
   // counts at the grid's interior points, one per member per kGrid / size
   for (int g = 1 + team.rank(); g < kGrid; g += team.size())
     counts[g] = Real(sturm_count(te, n, grid_point(lo, hi, g), pivmin));
-  team.sync();
+  FS_SYNC(team);
   // 2 + log2((hi - lo) / tol) halvings suffice; the cap only guards against broken arithmetic
   const int max_iter = 2 * (sizeof(Real) * 8 + 16);
   for (int k = team.rank(); k < n; k += team.size()) {  // k-th smallest eigenvalue
@@ -494,7 +502,7 @@ FS_HD void bisect_all(const Team& team, int n, Work<Real> wk) {
     }
     lam[k] = a + Real(0.5) * (b - a);
   }
-  team.sync();
+  FS_SYNC(team);
   // counts are monotone in exact arithmetic; rounding may still swap neighbours: rank sort
   // (position of lam[k] = #smaller + #equal before k), O(n) broadcast reads per member
   for (int k = team.rank(); k < n; k += team.size()) {
@@ -503,7 +511,7 @@ FS_HD void bisect_all(const Team& team, int n, Work<Real> wk) {
     for (int i = 0; i < n; ++i) pos += (lam[i] < x) || (lam[i] == x && i < k);
     wk.d[pos] = x;  // d was copied into te
   }
-  team.sync();
+  FS_SYNC(team);  // unseen: only a rank sort that moves an eigenvalue (rounding swapped neighbours) writes another member's d
 }
 
 // The whole solver for one matrix: in [n, n] (strides sr, sc) -> out[0..n-1] ascending.
@@ -514,18 +522,32 @@ FS_HD void eigvalsh_one(const Team& team, const Real* in, int64_t sr, int64_t sc
   if (!(amax <= Num<Real>::huge()) || amax == 0) {  // uniform branch: amax is team-wide
     const Real fill = amax == 0 ? Real(0) : Num<Real>::nan_();
     for (int i = team.rank(); i < n; i += team.size()) out[i] = fill;
-    team.sync();  // wk is reused by the next matrix of this team
+    FS_SYNC(team);  // wk is reused by the next matrix of this team
     return;
   }
   int ex = 0;
   Num<Real>::frexp_(amax, &ex);  // amax = f * 2^ex, f in [0.5, 1)
-  team.sync();
+  FS_SYNC(team);  // unseen: redundant after load_lower's team.max (a barrier)
   scale_matrix(team, n, ex, wk);
-  team.sync();
+  FS_SYNC(team);  // unseen: redundant, tridiagonalize begins with a barrier before it reads the matrix
   tridiagonalize(team, n, wk);
   bisect_all(team, n, wk);
   for (int i = team.rank(); i < n; i += team.size()) out[i] = Num<Real>::ldexp_(wk.d[i], ex);
-  team.sync();
+  FS_SYNC(team);  // unseen: redundant, the next matrix writes d only after several barriers
+}
+
+// --- the algorithm interface ------------------------------------------------------------------
+// Every algorithm of the kernel (eig_algos.h lists them) provides three functions of this shape:
+//   <name>_threads(n)      the team size for an n x n matrix (the CUDA block);
+//   <name>_smem_elems(n)   reals of team-shared work memory (the reduction scratch comes after it);
+//   <name>_eigvalsh_one(team, in, sr, sc, n, out, smem)   one matrix, as eigvalsh_one.
+// This file's algorithm, "block", is the reference of the others: the matrix in shared memory with
+// padded rows, one thread per column (eig_kernel.cu's header has its cost model).
+FS_HD constexpr int block_threads(int n) { return (n + 31) / 32 * 32 < kMaxThreads ? (n + 31) / 32 * 32 : kMaxThreads; }
+FS_HD constexpr int64_t block_smem_elems(int n) { return block_work_elems(n, true); }
+template <class Team, class Real>
+FS_HD void block_eigvalsh_one(const Team& team, const Real* in, int64_t sr, int64_t sc, int n, Real* out, Real* smem) {
+  eigvalsh_one(team, in, sr, sc, n, out, block_work(smem, static_cast<Real*>(nullptr), n));
 }
 
 }  // namespace fastspec

@@ -2,12 +2,13 @@
 // CPU-only CI tests the solver's numerics (fastspec.eigvalsh(A, solver="host")); it is not
 // tuned for speed (torch's LAPACK path is the CPU solver of choice).
 //
-// Also here, for tests only: the same eig_core.h code run by a team of real threads with the
-// CUDA kernel's team size, shared-memory layout (padded rows, 16-byte-aligned vectors of
-// round_up4(n)), barriers and reduction order (32-lane xor butterflies, warp totals folded in
-// order, two alternating scratch halves). It checks, without a GPU, the parts of the parallel
-// algorithm the one-thread twin cannot: the rank/size-strided loops, every barrier's placement
-// (a missing one is a data race here too) and the device buffer layout.
+// Also here, for tests only: every algorithm of the kernel (eig_algos.h) run by a team of real
+// threads with the CUDA block's size, shared-memory layout, barriers and reduction order (32-lane
+// xor butterflies, warp totals folded in order, two alternating scratch halves). It checks,
+// without a GPU, what the one-thread twin cannot: the rank/size-strided loops, every barrier's
+// placement and the device buffer layout. Threads run freely or one at a time in a fixed order
+// (deterministic), and any one barrier can be left out: the tests show that leaving out any
+// barrier of an algorithm changes its results in one of the two orders.
 #include "eig_host.h"
 
 #include <condition_variable>
@@ -15,7 +16,7 @@
 #include <thread>
 #include <vector>
 
-#include "eig_core.h"
+#include "eig_algos.h"
 
 namespace fastspec {
 namespace {
@@ -37,45 +38,95 @@ void host_eigvalsh(const Real* in, Real* out, int64_t batch, int n, int64_t sb, 
   for (int64_t b = 0; b < batch; ++b) eigvalsh_one(team, in + b * sb, sr, sc, n, out + b * osb, wk);
 }
 
-// A reusable barrier (generation counted), blocking: 2-core CI boxes cannot afford spinning.
-class Barrier {
+// The emulation's schedulers. kConcurrent: real threads run freely between barriers (a reusable,
+// generation-counted barrier, blocking: 2-core CI boxes cannot afford spinning). kForward and
+// kReverse: one thread runs at a time, in rank order (or reversed), each from one barrier to the
+// next; so the emulation is deterministic, and a barrier left out (`drop`) merges two phases the
+// way a GPU may run them: a read of what another thread writes in the same phase sees it already
+// written in one order and not yet in the other, so one of the two orders gives other results.
+enum Schedule : int { kConcurrent = 0, kForward = 1, kReverse = 2 };
+
+class Scheduler {
  public:
-  explicit Barrier(int count) : count_(count) {}
-  void wait() {
+  Scheduler(int count, int schedule) : count_(count), schedule_(schedule), wake_(count), done_(count, false) {
+    current_ = schedule == kReverse ? count - 1 : 0;
+  }
+  // a thread's first step: wait for its turn (serial schedules)
+  void start(int me) {
+    if (schedule_ == kConcurrent) return;
     std::unique_lock<std::mutex> lock(mu_);
-    const unsigned gen = gen_;
-    if (++arrived_ == count_) {
-      arrived_ = 0;
-      ++gen_;
-      cv_.notify_all();
-    } else {
-      cv_.wait(lock, [&] { return gen != gen_; });
+    wake_[me].wait(lock, [&] { return current_ == me; });
+  }
+  // a barrier: every thread of the team waits here until all have arrived
+  void wait(int me) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (schedule_ == kConcurrent) {
+      const unsigned gen = gen_;
+      if (++arrived_ == count_) {
+        arrived_ = 0;
+        ++gen_;
+        all_.notify_all();
+      } else {
+        all_.wait(lock, [&] { return gen != gen_; });
+      }
+      return;
     }
+    pass(me);
+    wake_[me].wait(lock, [&] { return current_ == me; });
+  }
+  // a thread's last step
+  void finish(int me) {
+    if (schedule_ == kConcurrent) return;
+    std::unique_lock<std::mutex> lock(mu_);
+    done_[me] = true;
+    pass(me);
   }
 
  private:
+  // hand the turn to the next unfinished thread in the schedule's order (caller holds mu_)
+  void pass(int me) {
+    int next = me;
+    for (int i = 0; i < count_; ++i) {
+      next = schedule_ == kReverse ? (next + count_ - 1) % count_ : (next + 1) % count_;
+      if (!done_[next]) break;
+    }
+    current_ = next;
+    wake_[next].notify_one();
+  }
   std::mutex mu_;
-  std::condition_variable cv_;
-  int count_, arrived_ = 0;
+  std::condition_variable all_;
+  int count_, schedule_, arrived_ = 0, current_ = 0;
   unsigned gen_ = 0;
+  std::vector<std::condition_variable> wake_;
+  std::vector<bool> done_;
 };
 
-// BlockTeam (eig_kernel.cu) on threads: same rank/size, barriers, and reduction arithmetic.
+// BlockTeam (eig_kernel.cu) on threads: same rank/size, barriers, and reduction arithmetic. The
+// barriers of the algorithm (FS_SYNC) are counted; rank 0 records each one's source line, and the
+// `drop`-th is skipped by every thread (the barrier-mutation check); the reductions' own barriers
+// are the team's and always kept.
 struct ThreadTeam {
   int me, nt;
-  Barrier* bar;
+  Scheduler* sched;
   void* scratch;  // 2 halves of kMaxLanes reals: every lane's value (a warp shuffle reads them)
+  int64_t drop;  // index of the FS_SYNC barrier to leave out, -1 for none
+  std::vector<int>* sites;  // rank 0: the source line of every FS_SYNC barrier, in order
   mutable unsigned parity;
+  mutable int64_t calls;
   static constexpr int kMaxLanes = kMaxThreads;  // the CUDA block's cap
 
   int rank() const { return me; }
   int size() const { return nt; }
-  void sync() const { bar->wait(); }
+  void sync(int line = 0) const {
+    if (me == 0 && sites) sites->push_back(line);
+    if (calls++ == drop) return;
+    sched->wait(me);
+  }
 
   template <class Real, class Op> Real reduce(Real x, Op op) const {
     Real* s = static_cast<Real*>(scratch) + (parity++ & 1u) * kMaxLanes;
     s[me] = x;
-    bar->wait();
+    sched->wait(me);
     // what __shfl_xor_sync butterflies give every lane, then the warp totals folded in order
     Real t = 0;
     for (int w = 0; w < nt / 32; ++w) {
@@ -99,22 +150,27 @@ struct ThreadTeam {
 };
 
 template <class Real>
-void team_eigvalsh(const Real* in, Real* out, int64_t batch, int n, int64_t sb, int64_t sr, int64_t sc, int64_t osb) {
-  int nt = (n + 31) / 32 * 32;
-  if (nt > ThreadTeam::kMaxLanes) nt = ThreadTeam::kMaxLanes;
-  // the kernel's shared-memory layout (eig_kernel.cu with the matrix in shared memory)
-  std::vector<Real> sm(static_cast<size_t>(block_work_elems(n, true)));
-  std::vector<Real> scratch(2 * ThreadTeam::kMaxLanes);
-  const Work<Real> wk = block_work(sm.data(), static_cast<Real*>(nullptr), n);
-  Barrier bar(nt);
+std::vector<int> team_eigvalsh(const Real* in, Real* out, int64_t batch, int n, int64_t sb, int64_t sr, int64_t sc,
+                               int64_t osb, int algo, int schedule, int64_t drop) {
+  const int nt = algo_threads(algo, n);
+  // the kernel's shared-memory layout of this algorithm; poisoned with NaN, as uninitialized
+  // shared memory may hold anything: a read before the first write shows in the results
+  std::vector<Real> sm(static_cast<size_t>(algo_smem_elems(algo, n)), Num<Real>::nan_());
+  std::vector<Real> scratch(2 * ThreadTeam::kMaxLanes, Num<Real>::nan_());
+  std::vector<int> sites;
+  Scheduler sched(nt, schedule);
   std::vector<std::thread> threads;
   for (int me = 0; me < nt; ++me) {
     threads.emplace_back([&, me] {
-      const ThreadTeam team{me, nt, &bar, scratch.data(), 0u};
-      for (int64_t b = 0; b < batch; ++b) eigvalsh_one(team, in + b * sb, sr, sc, n, out + b * osb, wk);
+      const ThreadTeam team{me, nt, &sched, scratch.data(), drop, me == 0 ? &sites : nullptr, 0u, 0};
+      sched.start(me);
+      for (int64_t b = 0; b < batch; ++b)
+        algo_eigvalsh_one(algo, team, in + b * sb, sr, sc, n, out + b * osb, sm.data());
+      sched.finish(me);
     });
   }
   for (auto& t : threads) t.join();
+  return sites;
 }
 
 }  // namespace
@@ -129,14 +185,14 @@ void host_eigvalsh_f64(const double* in, double* out, int64_t batch, int n, int6
   host_eigvalsh(in, out, batch, n, sb, sr, sc, osb);
 }
 
-void team_eigvalsh_f32(const float* in, float* out, int64_t batch, int n, int64_t sb, int64_t sr, int64_t sc,
-                       int64_t osb) {
-  team_eigvalsh(in, out, batch, n, sb, sr, sc, osb);
+std::vector<int> team_eigvalsh_f32(const float* in, float* out, int64_t batch, int n, int64_t sb, int64_t sr,
+                                   int64_t sc, int64_t osb, int algo, int schedule, int64_t drop) {
+  return team_eigvalsh(in, out, batch, n, sb, sr, sc, osb, algo, schedule, drop);
 }
 
-void team_eigvalsh_f64(const double* in, double* out, int64_t batch, int n, int64_t sb, int64_t sr, int64_t sc,
-                       int64_t osb) {
-  team_eigvalsh(in, out, batch, n, sb, sr, sc, osb);
+std::vector<int> team_eigvalsh_f64(const double* in, double* out, int64_t batch, int n, int64_t sb, int64_t sr,
+                                   int64_t sc, int64_t osb, int algo, int schedule, int64_t drop) {
+  return team_eigvalsh(in, out, batch, n, sb, sr, sc, osb, algo, schedule, drop);
 }
 
 }  // namespace fastspec

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace fastspec {
 
@@ -13,11 +14,14 @@ void host_eigvalsh_f32(const float* in, float* out, int64_t batch, int n, int64_
 void host_eigvalsh_f64(const double* in, double* out, int64_t batch, int n, int64_t sb, int64_t sr, int64_t sc,
                        int64_t osb);
 
-// Tests only: the same numerics run by real threads with the CUDA kernel's team size, shared-memory
-// layout, barriers and reduction order (eig_host.cpp). Slow: one thread per matrix column.
-void team_eigvalsh_f32(const float* in, float* out, int64_t batch, int n, int64_t sb, int64_t sr, int64_t sc,
-                       int64_t osb);
-void team_eigvalsh_f64(const double* in, double* out, int64_t batch, int n, int64_t sb, int64_t sr, int64_t sc,
-                       int64_t osb);
+// Tests only: algorithm `algo` of eig_algos.h run by real threads with the CUDA kernel's team size,
+// shared-memory layout, barriers and reduction order (eig_host.cpp). schedule: 0 concurrent, 1 one
+// thread at a time in rank order, 2 in reverse rank order. drop: the index of the FS_SYNC barrier
+// every thread leaves out (-1: none). Returns the source line of every FS_SYNC barrier passed, in
+// order. Slow: one thread per team member.
+std::vector<int> team_eigvalsh_f32(const float* in, float* out, int64_t batch, int n, int64_t sb, int64_t sr,
+                                   int64_t sc, int64_t osb, int algo, int schedule, int64_t drop);
+std::vector<int> team_eigvalsh_f64(const double* in, double* out, int64_t batch, int n, int64_t sb, int64_t sr,
+                                   int64_t sc, int64_t osb, int algo, int schedule, int64_t drop);
 
 }  // namespace fastspec

@@ -45,17 +45,31 @@
 //      (3.36 ms under Nsight Compute); 394k warp instructions per matrix (predicted 325-330k),
 //      issue slots busy 46% (1.86 of 4 per cycle), 0.61 eligible warps per scheduler, 3 blocks
 //      per SM (the 69 KB of shared memory): latency bound, 2.2x the issue bound. More
-//      independent warps per SM is the next step.
+//      independent warps per SM is the next step: the candidate algorithms of eig_algos.h
+//      (packed: half the shared memory; regs: the matrix in registers; split: two threads per
+//      column) are raced against this one by the GPU kit (benchmarks/eig_race.py).
 //   * n > AUTO_MAX_N (up to FS_MAX_N) runs, on the workspace path; fastspec.eigvalsh's "auto"
 //     sends it to torch.linalg.eigvalsh.
 // No headers at all (NVRTC has none): raw device pointers and element strides.
-#include "eig_core.h"
+//
+// Other algorithms (FS_ALGO, eig_algos.h: the candidates of fastspec/eig/variants.py, chosen per GPU,
+// dtype, n and batch by measurement) share this entry point and its launch contract; each header
+// carries its own design envelope and cost model. They always keep their data in shared memory
+// (or registers): FS_SMEM is 1 for them.
+#include "eig_algos.h"
 
 #if !defined(FS_REAL) || !defined(FS_N) || !defined(FS_SMEM) || !defined(FS_THREADS) || !defined(FS_MIN_BLOCKS)
 #error "compiled by fastspec/eig/nvrtc.py: it defines FS_REAL, FS_N, FS_SMEM, FS_THREADS, FS_MIN_BLOCKS"
 #endif
+#if !defined(FS_ALGO)
+#define FS_ALGO 0  // the block algorithm (eig_core.h)
+#endif
 static_assert(FS_N >= 1 && FS_N <= fastspec::kMaxN, "FS_N: outside [1, FS_MAX_N] (fastspec/eig/limits.py)");
 static_assert(FS_THREADS <= fastspec::kMaxThreads, "FS_THREADS: above FS_MAX_THREADS (fastspec/eig/limits.py)");
+static_assert(FS_ALGO >= 0 && FS_ALGO < fastspec::kAlgoCount, "FS_ALGO: not an algorithm of eig_algos.h");
+static_assert(FS_ALGO == 0 || (FS_SMEM == 1 && FS_N <= fastspec::algo_max_n(FS_ALGO) &&
+                               FS_THREADS == fastspec::algo_threads(FS_ALGO, FS_N)),
+              "FS_ALGO: a candidate algorithm needs FS_SMEM 1, FS_N within its limit and its own team size");
 
 namespace fastspec {
 
@@ -69,7 +83,7 @@ template <int kSize> struct BlockTeam {
   mutable unsigned parity;  // which half of scratch the next reduction uses
   __device__ int rank() const { return threadIdx.x; }
   __device__ int size() const { return kSize; }
-  __device__ void sync() const { __syncthreads(); }
+  __device__ void sync(int = 0) const { __syncthreads(); }
 
   template <class Real, class Op> __device__ Real reduce(Real x, Op op) const {
     for (int o = 16; o > 0; o >>= 1) x = op(x, __shfl_xor_sync(0xffffffffu, x, o));
@@ -99,7 +113,8 @@ template <int kSize> struct BlockTeam {
 // in: batch matrices [n, n] at in + b*sb, element (r, c) at r*sr + c*sc (lower triangle read);
 // out: batch vectors [n] at out + b*osb, ascending. Strides in elements. work: one n x n matrix per
 // block of the grid when FS_SMEM is 0 (unused otherwise). Dynamic shared memory:
-// sizeof(FS_REAL) * (block_work_elems(FS_N, FS_SMEM) + FS_SCRATCH) bytes (fastspec/eig/cuda.py's plan).
+// sizeof(FS_REAL) * (block_work_elems(FS_N, FS_SMEM) + FS_SCRATCH) bytes for the block algorithm,
+// sizeof(FS_REAL) * (algo_smem_elems(FS_ALGO, FS_N) + FS_SCRATCH) for the others (fastspec/eig/cuda.py's plan).
 extern "C" __global__ void __launch_bounds__(FS_THREADS, FS_MIN_BLOCKS)
 fastspec_eigvalsh(const FS_REAL* __restrict__ in, FS_REAL* __restrict__ out, FS_REAL* work, long long batch,
                   long long sb, long long sr, long long sc, long long osb) {
@@ -110,6 +125,14 @@ fastspec_eigvalsh(const FS_REAL* __restrict__ in, FS_REAL* __restrict__ out, FS_
   // access).
   extern __shared__ __align__(16) double smem_f64[];
   FS_REAL* sm = reinterpret_cast<FS_REAL*>(smem_f64);
+#if FS_ALGO != 0
+  {
+    const BlockTeam<FS_THREADS> team{sm + algo_smem_elems(FS_ALGO, FS_N), 0u};  // scratch after the work memory
+    for (int64_t b = blockIdx.x; b < batch; b += gridDim.x)
+      algo_eigvalsh_one<FS_ALGO>(team, in + b * sb, sr, sc, FS_N, out + b * osb, sm);
+    return;
+  }
+#endif
   const bool in_smem = FS_SMEM != 0;
   const Work<FS_REAL> wk =
       block_work(sm, in_smem ? nullptr : work + static_cast<int64_t>(blockIdx.x) * FS_N * FS_N, FS_N);

@@ -1,0 +1,234 @@
+"""The "regs" algorithm of the CUDA eigensolver (``fastspec/eig/csrc/eig_regs.h``: float32, n <= 128,
+the matrix in registers, two threads per column) run by the team emulation on host threads, and
+its sm_90 SASS through NVRTC.
+
+Emulation: the kernel's own code on ``2 * round_up(n, 32)`` host threads with the kernel's barriers,
+reduction order and shared-memory layout (``tests/_eig_team.py``); accuracy against fp64 LAPACK
+with the host twin's criterion (2 x torch fp32's error + 8 eps ||A||). ~1.7 s per two 128 x 128
+matrices on 2 cores: the fast tier keeps n = 128 to two families, ``--full`` runs the rest.
+
+SASS (skipped without cuobjdump / NVRTC): no spills, no local memory (the register array ``a[64]`` is
+indexed by constants only), registers within the launch bounds (256 threads, 2 blocks), no generic
+LD/ST, and the per-reflector loop's instruction counts a little above what NVRTC 13 gives now
+(the cost model in the header of eig_regs.h is built on them).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fastspec.eig.matrices import FAMILIES, make_batch
+
+from _eig_team import CONCURRENT, FORWARD, REVERSE, assert_barriers_needed, assert_within_torch_error, team
+
+if os.environ.get("FASTSPEC_NO_EXT") == "1":  # built on purpose without the extension: nothing to test
+    pytestmark = pytest.mark.skip(reason="FASTSPEC_NO_EXT=1: native extension not built")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    # the emulation runs up to 256 threads; torch's LAPACK reference gains nothing from more
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def regs(A: torch.Tensor, schedule: int = CONCURRENT) -> torch.Tensor:
+    return team(A, "regs", schedule)[0]
+
+
+FAMILY_LIST = [f for f in ("indefinite", "graded-1e-8", "four-clusters", "rank-deficient", "wilkinson",
+                           "gram-activations", "spd-1e30") if f in FAMILIES]
+FAST_128 = ("indefinite", "gram-activations")  # n = 128 in the fast tier (1.7 s each)
+
+
+def _battery() -> list:
+    out = []
+    for family in FAMILY_LIST:
+        for n in (1, 2, 3, 5, 17, 33, 100, 128):
+            slow = n == 100 or (n == 128 and family not in FAST_128)
+            out.append(pytest.param(family, n, id=f"{family}-n{n}", marks=pytest.mark.slow if slow else ()))
+    return out
+
+
+@pytest.mark.parametrize("family, n", _battery())
+def test_battery(family, n):
+    A = torch.from_numpy(make_batch(family, n, 2)).float()
+    ours = regs(A)
+    assert ours.shape == (2, n) and ours.dtype == torch.float32
+    assert torch.isfinite(ours).all() and (ours.diff(dim=-1) >= 0).all()
+    assert_within_torch_error(A, ours)
+
+
+@pytest.mark.parametrize("n", [5, 40, pytest.param(128, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("schedule", [FORWARD, REVERSE], ids=["forward", "reverse"])
+def test_serial_schedules_agree_with_concurrent(n, schedule):
+    # one thread at a time, in rank order or reversed: bitwise the free-running result (no race)
+    A = torch.from_numpy(make_batch("indefinite", n, 2)).float()
+    ours = regs(A, schedule)
+    assert torch.equal(ours, regs(A))
+    assert_within_torch_error(A, ours)
+
+
+@pytest.mark.slow
+def test_more_seeds_at_n128():
+    for family in ("graded-1e-8", "one-cluster", "wilkinson", "spd-1e30"):
+        A = torch.from_numpy(make_batch(family, 128, 4, seed=1)).float()
+        assert_within_torch_error(A, regs(A))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_matrix_gives_nan_and_spares_neighbours(bad):
+    A = torch.from_numpy(make_batch("spd", 33, 4)).float()
+    solo = regs(A)
+    A[1, 20, 3] = bad  # lower triangle: read (by both owners of the pair, through the mirror)
+    A[2, 32, 32] = bad
+    out = regs(A)
+    assert torch.isnan(out[1]).all() and torch.isnan(out[2]).all()
+    assert torch.equal(out[0], solo[0]) and torch.equal(out[3], solo[3])
+
+
+def test_zero_matrix_gives_zeros():
+    for n in (1, 5, 64):
+        assert torch.equal(regs(torch.zeros(2, n, n)), torch.zeros(2, n))
+
+
+def test_power_of_two_scaling_is_exact():
+    A = torch.from_numpy(make_batch("indefinite", 50, 2)).float()
+    base = regs(A)
+    for k in (-100, -30, 7, 100):
+        assert torch.equal(regs(A * 2.0**k), base * 2.0**k)
+
+
+def test_scaling_at_the_ends_of_the_exponent_range():
+    # max |a| in [2^126, 2^127): the internal scale 2^-127 is not a normal float (two exact steps);
+    # eigenvalues stay below 2^127 (diagonally dominant, largest diagonal entry 0.5 * 2^127)
+    n = 24
+    A = torch.diag(torch.linspace(0.3, 0.5, n)) + 1e-3 * torch.from_numpy(make_batch("indefinite", n, 1))[0].float()
+    A = ((A + A.T) / 2).unsqueeze(0)
+    A[0, n - 1, n - 1] = 0.5
+    big = A * 2.0**127
+    assert torch.isfinite(big).all() and big.abs().max() == 2.0**126
+    assert torch.equal(regs(big), regs(A) * 2.0**127)
+    # subnormal input (max |a| < FLT_MIN): scaled up exactly in two steps; the output is one rounding
+    # of the same internal result as for the input scaled by 2^140
+    tiny = (torch.from_numpy(make_batch("spd", n, 1)) * 2.0**-140).float()
+    assert tiny.abs().max() < torch.finfo(torch.float32).tiny
+    up = regs((tiny.double() * 2.0**140).float())  # exact (2^140 itself is no float32)
+    assert torch.equal(regs(tiny), (up.double() * 2.0**-140).float())
+
+
+def test_strict_upper_triangle_is_never_read():
+    A = torch.from_numpy(make_batch("indefinite", 40, 3)).float()
+    garbage = torch.tril(A) + torch.triu(torch.full_like(A, float("nan")), diagonal=1)
+    assert torch.equal(regs(garbage), regs(A))
+
+
+def test_reuses_its_workspace_across_matrices():
+    # one team solves the batch in turn (shared memory poisoned with NaN before the first):
+    # early exits (NaN, zero) and every buffer must leave the next matrix unaffected
+    A = torch.from_numpy(make_batch("gram-activations", 37, 5)).float()
+    A[1, 30, 3] = float("nan")
+    A[3] = 0
+    out = regs(A)
+    assert torch.isnan(out[1]).all() and torch.equal(out[3], torch.zeros(37))
+    for i in (0, 2, 4):
+        assert torch.equal(out[i], regs(A[i:i + 1])[0])
+
+
+@pytest.mark.parametrize("n", [5, 40])
+def test_every_barrier_is_needed(n):
+    # the algorithm's own barriers: the publication of column 0 and the end of the tridiagonalization
+    # (the two per reflector are the team's reductions); plus bisect_all's (eig_core.h)
+    A = torch.from_numpy(make_batch("indefinite", n, 2)).float()
+    assert_barriers_needed(A, "regs")
+
+
+def test_layout_formulas_agree_with_python():
+    from fastspec.eig import _host, variants  # noqa: PLC0415
+
+    a = variants.ALGORITHMS["regs"]
+    rid = _host.ALGOS["regs"]
+    for n in range(1, 300):
+        assert _host.algo_threads(rid, n) == a.threads(n) and _host.algo_smem_elems(rid, n) == a.smem_elems(n), n
+    assert a.threads(128) == 256 and a.smem_elems(128) == 2 * 128 + 6 * 128
+    assert a.takes(128, "float32") and not a.takes(129, "float32") and not a.takes(64, "float64")
+
+
+# ------------------------------------------------------------------ sm_90 SASS through NVRTC
+
+
+@pytest.fixture(scope="module")
+def sass_of(tmp_path_factory):
+    """``n -> (variant, cubin path, kernel)`` for float32 regs on sm_90, compiled once per module."""
+    sass = pytest.importorskip("benchmarks.sass")
+    from fastspec.eig import cuda, nvrtc  # noqa: PLC0415
+
+    if sass.find_tool("cuobjdump") is None:
+        pytest.skip("needs cuobjdump (CUDA toolkit or the triton wheel)")
+    if nvrtc.missing():
+        pytest.skip(f"needs NVRTC: {nvrtc.missing()}")
+    folder = tmp_path_factory.mktemp("eig-regs-cache")
+    made = {}
+
+    def get(n: int):
+        if n not in made:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("FASTSPEC_CACHE", str(folder))
+                v = cuda.variant_for(n, "float32", cuda.DeviceSpec.for_arch(90), algo="regs")
+                img = nvrtc.compile_variant(v, nvrtc.Target(90))
+            path = folder / f"sm90-regs-{n}.cubin"
+            path.write_bytes(img.data)
+            (k,) = [k for k in sass.kernels(sass.disassemble(str(path))) if k.name == nvrtc.ENTRY]
+            made[n] = v, str(path), k, sass.resource_usage(str(path))[nvrtc.ENTRY]
+        return made[n]
+
+    return get
+
+
+@pytest.mark.parametrize("n", [128, 100, pytest.param(17, marks=pytest.mark.slow),
+                               pytest.param(64, marks=pytest.mark.slow)])
+def test_sass_registers_no_spills_no_generic_memory(sass_of, n):
+    v, _, k, res = sass_of(n)
+    assert (v.threads, v.min_blocks) == (2 * ((n + 31) // 32 * 32), 512 // (2 * ((n + 31) // 32 * 32)))
+    assert res["stack"] == 0 and res["local"] == 0, res  # no spills, a[] never in local memory
+    assert res["registers"] * v.threads * v.min_blocks <= 65536, res
+    assert k.ops["LDL"] == 0 and k.ops["STL"] == 0
+    generic = {op: c for op, c in k.full_ops.items() if op.split(".")[0] in ("LD", "ST")}
+    assert not generic, generic  # every shared pointer derives from smem: LDS/STS
+
+
+def _reflector_loop(k):
+    """The per-reflector loop: the innermost loop holding the chunks' 24 FFMA and 6 LDS.128 each."""
+    loops = [lp for lp in k.innermost() if lp.ops["FFMA"] >= 150]
+    assert len(loops) == 1, [(hex(lp.start), lp.size) for lp in loops]
+    return loops[0]
+
+
+def test_sass_reflector_loop_at_n128(sass_of):
+    """One reflector at n = 128, per warp: 8 chunks of 8 rows, each 6 LDS.128 broadcasts (u, w, x)
+    + 24 FFMA (2 for the rank-2 update, 1 for A x, per element) + a branch, BSSY/BSYNC: 33
+    instructions, ~4.1 per element, no shared access to a matrix element; around them the two
+    reductions, the reflector (sqrt, two IEEE divisions), w and the next column: NVRTC 13 gives
+    494 instructions in the loop body (every path, slow paths out of line included), 210 FFMA,
+    63 LDS (48 LDS.128 of them in the chunks), 24 STS (16 STS.128 of the column publication)."""
+    _, _, k, _ = sass_of(128)
+    lp = _reflector_loop(k)
+    assert lp.ops["FFMA"] >= 8 * 24 and lp.ops["FFMA"] <= 220, lp.ops
+    assert lp.full_ops["LDS.128"] >= 8 * 6 and lp.ops["LDS"] <= 68, lp.full_ops
+    assert lp.ops["STS"] <= 26 and lp.full_ops["STS.128"] == 16, lp.full_ops
+    assert lp.ops["BAR"] == 2, lp.ops  # the two team reductions, no FS_SYNC in the loop
+    assert lp.size <= 530, (lp.size, lp.ops)
+
+
+def test_sass_sturm_loop_has_no_division_slow_path(sass_of):
+    # bisect_all from eig_core.h, as in tests/test_eig_sass.py
+    _, _, k, _ = sass_of(128)
+    sturm = [lp for lp in k.innermost() if lp.ops["MUFU"] and lp.full_ops["LDS.64"]]
+    assert sturm
+    for lp in sturm:
+        assert lp.ops["FCHK"] == 0 and lp.ops["CALL"] == 0 and lp.ops["LDS"] == lp.ops["MUFU"], lp.ops
+        assert lp.size / lp.ops["MUFU"] <= 8.25, (lp.size, lp.ops)

@@ -1,0 +1,222 @@
+"""The "split" algorithm of the CUDA eigensolver (``fastspec/eig/csrc/eig_split.h``, FS_ALGO 3):
+two threads per column in the tridiagonalization, two Sturm counts per eigenvalue and sweep
+(trisection) in the bisection, a division-free fp64 Sturm step.
+
+Without a GPU: the team emulation (``csrc/eig_host.cpp``: one host thread per CUDA thread, the
+kernel's barriers, reduction order and shared-memory layout, poisoned with NaN) runs the algorithm
+in the concurrent and in a serial schedule, against LAPACK; the barrier-mutation check shows each
+barrier needed; NVRTC compiles it for sm_90 and the SASS is checked (spills, address spaces, the
+hot loops' instruction counts of the header's cost model).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fastspec.eig.matrices import make_batch
+
+from _eig_team import CONCURRENT, FORWARD, REVERSE, assert_barriers_needed, assert_fp64_close, \
+    assert_within_torch_error, team
+
+if os.environ.get("FASTSPEC_NO_EXT") == "1":  # built on purpose without the extension: nothing to test
+    pytestmark = pytest.mark.skip(reason="FASTSPEC_NO_EXT=1: native extension not built")
+
+FAMILIES = ["indefinite", "graded-1e-8", "four-clusters", "rank-deficient", "wilkinson", "gram-activations",
+            "spd-1e30"]
+DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def split(A: torch.Tensor, schedule: int = CONCURRENT) -> torch.Tensor:
+    return team(A, "split", schedule)[0]
+
+
+def check(A: torch.Tensor, ours: torch.Tensor) -> None:
+    assert ours.shape == A.shape[:-1] and ours.dtype == A.dtype
+    assert torch.isfinite(ours).all() and (ours.diff(dim=-1) >= 0).all()
+    (assert_within_torch_error if A.dtype == torch.float32 else assert_fp64_close)(A, ours)
+
+
+def _battery() -> list:
+    """Every family at tiny n, non-multiples of 32 and the max n (128), both dtypes; the fast tier
+    takes n <= 33 and one family at n = 128 per dtype (~1.5 s each on 2 cores)."""
+    out = []
+    for family in FAMILIES:
+        for n in [1, 2, 3, 5, 17, 33, 100, 128]:
+            for dt in DTYPES:
+                slow = n == 100 or (n == 128 and family != ("indefinite" if dt == "fp64" else "gram-activations"))
+                out.append(pytest.param(family, n, dt, id=f"{family}-n{n}-{dt}",
+                                        marks=pytest.mark.slow if slow else ()))
+    return out
+
+
+@pytest.mark.parametrize("family, n, dt", _battery())
+def test_battery(family, n, dt):
+    A = torch.from_numpy(make_batch(family, n, 2)).to(DTYPES[dt])
+    check(A, split(A))
+
+
+@pytest.mark.parametrize("n, dt", [(5, "fp64"), (33, "fp32"), (64, "fp64"),
+                                   pytest.param(128, "fp64", marks=pytest.mark.slow)])
+def test_serial_schedules_agree_with_the_concurrent_one(n, dt):
+    # the algorithm has no race: both serial orders and free-running threads give the same bits
+    A = torch.from_numpy(make_batch("indefinite", n, 2)).to(DTYPES[dt])
+    ours = split(A)
+    check(A, ours)
+    assert torch.equal(split(A, FORWARD), ours) and torch.equal(split(A, REVERSE), ours)
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_matrix_gives_nan_and_spares_neighbours(bad, dt):
+    A = torch.from_numpy(make_batch("spd", 33, 4)).to(DTYPES[dt])
+    solo = split(A)
+    A[1, 20, 3] = bad  # lower triangle: read
+    A[2, 32, 32] = bad
+    out = split(A)
+    assert torch.isnan(out[1]).all() and torch.isnan(out[2]).all()
+    assert torch.equal(out[0], solo[0]) and torch.equal(out[3], solo[3])
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+def test_zero_matrix_and_workspace_reuse(dt):
+    # one team solves the batch in turn: early exits (NaN, zero) leave the next matrix unaffected
+    A = torch.from_numpy(make_batch("spd", 40, 5)).to(DTYPES[dt])
+    A[1, 30, 3] = float("nan")
+    A[3] = 0
+    out = split(A)
+    assert torch.isnan(out[1]).all() and torch.equal(out[3], torch.zeros(40, dtype=A.dtype))
+    for i in (0, 2, 4):
+        assert torch.equal(out[i], split(A[i:i + 1])[0])
+    assert torch.equal(split(torch.zeros(2, 1, 1, dtype=A.dtype)), torch.zeros(2, 1, dtype=A.dtype))
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+def test_power_of_two_scaling_is_exact(dt):
+    A = torch.from_numpy(make_batch("indefinite", 21, 2)).to(DTYPES[dt])
+    base = split(A)
+    for k in (-100, -30, 7, 100):
+        assert torch.equal(split(A * 2.0**k), base * 2.0**k)
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+def test_strict_upper_triangle_is_never_read(dt):
+    A = torch.from_numpy(make_batch("indefinite", 37, 2)).to(DTYPES[dt])
+    garbage = torch.tril(A) + torch.triu(torch.full_like(A, float("nan")), diagonal=1)
+    assert torch.equal(split(garbage), split(A))
+
+
+def test_identity_and_diagonal():
+    # zero off-diagonals everywhere (the Sturm pivots' pivmin guard) and exactly repeated eigenvalues
+    for dt in DTYPES.values():
+        out = split(torch.eye(9, dtype=dt).expand(2, 9, 9))
+        eps = torch.finfo(dt).eps
+        assert (out - 1).abs().max() <= 2 * eps
+        D = torch.diag_embed(torch.tensor([[3.0, -1.0, 2.0, -1.0, 0.5]], dtype=dt))
+        torch.testing.assert_close(split(D), torch.tensor([[-1.0, -1.0, 0.5, 2.0, 3.0]], dtype=dt),
+                                   atol=4 * eps * 3, rtol=0)
+
+
+@pytest.mark.parametrize("n, dt", [(5, "fp32"), (17, "fp64")])
+def test_every_barrier_is_needed(n, dt):
+    assert_barriers_needed(torch.from_numpy(make_batch("indefinite", n, 2)).to(DTYPES[dt]), "split")
+
+
+# ------------------------------------------------------------------ SASS for sm_90 through NVRTC
+
+def _sm90(dtype: str, n: int):
+    """``(variant, kernel SASS, resources)`` of the split variant, compiled by NVRTC in a fresh cache."""
+    import tempfile  # noqa: PLC0415
+
+    from benchmarks.sass import disassemble, kernels, resource_usage  # noqa: PLC0415 - a maintainer's tool
+    from fastspec.eig import cuda, nvrtc  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory() as folder, pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FASTSPEC_CACHE", folder)
+        v = cuda.variant_for(n, dtype, cuda.DeviceSpec.for_arch(90), algo="split")
+        img = nvrtc.compile_variant(v, nvrtc.Target(90))
+        path = os.path.join(folder, "split.cubin")
+        with open(path, "wb") as f:
+            f.write(img.data)
+        (k,) = [k for k in kernels(disassemble(path)) if k.name == nvrtc.ENTRY]
+        return v, k, resource_usage(path)[nvrtc.ENTRY]
+
+
+def _needs_sass():
+    from benchmarks.sass import find_tool  # noqa: PLC0415
+    from fastspec.eig import nvrtc  # noqa: PLC0415
+
+    if find_tool("cuobjdump") is None:
+        pytest.skip("needs cuobjdump (CUDA toolkit or the triton wheel)")
+    if nvrtc.missing():
+        pytest.skip(f"needs NVRTC: {nvrtc.missing()}")
+
+
+@pytest.fixture(scope="module")
+def sass():
+    _needs_sass()
+    made = {}
+
+    def get(dtype, n):
+        if (dtype, n) not in made:
+            made[dtype, n] = _sm90(dtype, n)
+        return made[dtype, n]
+
+    return get
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("n", [5, 100, 128])
+def test_sm90_no_spills_no_generic_accesses(sass, dtype, n):
+    v, k, res = sass(dtype, n)
+    assert res["stack"] == 0 and res["local"] == 0, (v.tag, res)
+    assert res["registers"] * v.threads * v.min_blocks <= 65536, (v.tag, res)
+    generic = {op: c for op, c in k.full_ops.items() if op.split(".")[0] in ("LD", "ST", "ATOM", "RED")}
+    assert not generic, generic  # every shared pointer derives from smem: LDS/STS only
+    # only the team reductions' butterflies (5 per inlined team.max/team.sum and 32-bit word: NVRTC 13
+    # gives 30 (fp32) / 60 (fp64) for the 3 reduction sites); the algorithm exchanges through shared memory
+    assert k.ops["SHFL"] <= (32 if dtype == "float32" else 64), k.ops["SHFL"]
+
+
+def _update_loops(k, fma: str):
+    """The split fused update: innermost loops with 3 FMAs (two update, one p) per matrix store."""
+    return [lp for lp in k.innermost() if lp.ops["STS"] >= 4 and lp.ops[fma] == 3 * lp.ops["STS"]]
+
+
+@pytest.mark.parametrize("dtype, fma, per_elem", [("float32", "FFMA", 7.2), ("float64", "DFMA", 7.9)])
+def test_sm90_fused_update_loop(sass, dtype, fma, per_elem):
+    """Per element and reflector: 3 FMAs, one LDS + one STS of the element, 3/4 of a broadcast
+    of u, w, u_next (fp32: LDS.128; fp64: two LDS.128 per 4 rows and vector): at most 2.75 (fp32)
+    / 3.5 (fp64) shared instructions, and 6.9 (fp32) / 7.5 (fp64) instructions per element from
+    NVRTC 13 (bounds 7.2 / 7.9)."""
+    _, k, _ = sass(dtype, 128)
+    loops = _update_loops(k, fma)
+    assert loops, "no fused update loop: the tridiagonalization changed shape"
+    for lp in loops:
+        elems = lp.ops["STS"]
+        assert (lp.ops["LDS"] + lp.ops["STS"]) / elems <= (2.75 if dtype == "float32" else 3.5), lp.ops
+        assert lp.size / elems <= per_elem, (lp.size, elems, lp.ops)
+
+
+@pytest.mark.parametrize("dtype, per_step", [("float32", 8.25), ("float64", 14.0)])
+def test_sm90_sturm_loop(sass, dtype, per_step):
+    """One Sturm step: one LDS.64/LDS.128 of (e^2, d), one MUFU reciprocal, no IEEE division (no
+    FCHK, no CALL to a slow path, no BSSY); fp32 7.3-7.9 instructions per step, fp64 13.5
+    (LDS.128, MUFU.RCP64H and the zero low word, DADD d - x, 3 DFMA, DMUL, DADD, the guard DSETP + 2 FSEL, the count as one LEA.HI of the sign bit)."""
+    _, k, _ = sass(dtype, 128)
+    sturm = [lp for lp in k.innermost() if lp.ops["MUFU"] >= 4]
+    assert sturm, "no loop with MUFU reciprocals: the Sturm count changed shape"
+    for lp in sturm:
+        steps = lp.ops["MUFU"]
+        assert lp.ops["FCHK"] == 0 and lp.ops["CALL"] == 0 and lp.ops["BSSY"] == 0, lp.ops
+        assert lp.ops["LDS"] == steps, lp.ops
+        assert lp.size / steps <= per_step, (lp.size, steps, lp.ops)
