@@ -1,6 +1,6 @@
 """The offline GPU kit: fastspec measured on an H100/H200 in two capped commands, 13 minutes.
 
-    python benchmarks/gpu_run.py 1 OUT          # headline numbers (first 4 minutes), accuracy sweep, GPU tests
+    python benchmarks/gpu_run.py 1 OUT          # headline numbers (first 4 minutes), eigensolver race, accuracy sweep, GPU tests
     python benchmarks/gpu_run.py 2 OUT          # profiles, every other size, training steps, Nsight Compute
     python benchmarks/gpu_run.py 3 OUT          # extra, when the lease has time left: key rank, sanitizers, compiled step
     python benchmarks/gpu_run.py --plan         # the time table; exit 1 if the plan breaks a limit
@@ -34,7 +34,7 @@ and warm.
 OUT receives a few flat files (at most 8 come back from a GPU machine): ``gpu_run.log`` (each
 step's start, cap, status and seconds, the versions, the summary), ``bench.json`` (this command's
 ``fastspec bench`` results merged: the ``benchmarks/results`` schema plus a ``gpu_run`` record),
-``compare.json`` (command 3), ``tests.txt`` (command 1), ``diag.txt`` (``gpu_diag.py``, commands
+``compare.json`` (command 3), ``race.json`` (command 1: ``eig_race.py``), ``tests.txt`` (command 1), ``diag.txt`` (``gpu_diag.py``, commands
 1 and 2), ``tools.txt`` (ncu in command 2, compute-sanitizer in 3), ``steps.txt`` (every other
 step's own output). Exit status: 0 when every step passed,
 was capped or skipped an optional tool; 1 when a step failed; 2 on bad arguments.
@@ -82,7 +82,7 @@ class Step:
     """One step of a command: ``kind`` says what runs (see :func:`argv`)."""
 
     name: str
-    kind: str            # build | env | bench | diag | tests | ncu | sanitize | compare | summary
+    kind: str            # build | kernels | env | bench | race | diag | tests | ncu | sanitize | compare | summary
     cap: int             # seconds of work (a bench/compare/tool step's --time-limit)
     grace: int = 0       # from the cap to the signal
     what: str = ""
@@ -99,8 +99,10 @@ class Step:
 
 
 BUILD = Step("build", "build", 30, what="copy the sources, build the host-twin extension (reused when unchanged)")
-KERNELS = Step("kernels", "kernels", 20, 5, what="NVRTC: the CUDA eigensolver for this GPU, n 64/128/256, "
-               "fp32/fp64, into the kit's kernel cache")
+KERNELS = Step("kernels", "kernels", 30, 5, what="NVRTC: the CUDA eigensolver for this GPU, n 64/128/256, "
+               "fp32/fp64, every algorithm, into the kit's kernel cache")
+# commands 2 and 3 follow command 1 on the same machine: its cache holds every kernel already
+KERNELS_AGAIN = replace(KERNELS, cap=20, what="the same, found in the kit's kernel cache (compiled by command 1)")
 ENV = Step("env", "env", 15, what="versions: GPU, driver, NVRTC, ncu, Python, torch, Triton, CuPy, JAX; fastspec info")
 SUMMARY = Step("summary", "summary", 10, what="merge bench.json, print the summary")
 
@@ -122,11 +124,13 @@ PLAN: dict[int, tuple[Step, ...]] = {
                "beside a copy of the same bytes", HEAD),
         _bench("probe", 40, 10, "1.5B shape: measure() vs the forward, keys streaming vs the train step",
                HEAD),
+        Step("race", "race", 40, 10, "eig_race.py: every algorithm of the eigensolver timed and checked on "
+             "the same batches; the selection-table rows to commit"),
         _diag("accuracy", 30, 5, "the Triton accuracy failures of 2026-11-26 swept over launch settings"),
-        Step("tests", "tests", 120, 10, "pytest -m 'gpu or triton' (8 workers where pytest-xdist is "
+        Step("tests", "tests", 60, 10, "pytest -m 'gpu or triton' (8 workers where pytest-xdist is "
              "installed): CUDA solver, Triton kernels on CUDA"),
         SUMMARY),
-    2: (BUILD, KERNELS,
+    2: (BUILD, KERNELS_AGAIN,
         _diag("profile", 45, 10, "host vs device time of a keys update; torch.profiler of measure() and "
               "of a keys-streaming train step at the 1.5B shape"),
         _bench("eigvalsh", 55, 15, "every other eigvalsh size (n 64/128/256, B up to 16384, fp64 B4096)", REST),
@@ -135,7 +139,7 @@ PLAN: dict[int, tuple[Step, ...]] = {
                "emit_every 1"),
         Step("ncu", "ncu", 30, 5, "Nsight Compute --set full: one eig launch, one keys covariance launch"),
         SUMMARY),
-    3: (BUILD, KERNELS,
+    3: (BUILD, KERNELS_AGAIN,
         _bench("keyrank", 30, 15, "1.5B key rank: measure() vs hooks + svdvals per head"),
         _bench("probe", 35, 10, "key rank from keys in memory vs svdvals (exact, fast)", REST),
         Step("sanitize", "sanitize", 40, 5, "compute-sanitizer memcheck + racecheck: one small eig and cov launch"),
@@ -224,12 +228,14 @@ class Run:
             return [py, "setup.py", "-q", "build_ext", "--inplace"]
         if step.kind == "kernels":
             return [py, "-m", "fastspec", "precompile", "--arch", ARCH_DRY if self.dry else _local_arch(),
-                    "--n", *KERNEL_SIZES, "--dtype", "float32", "float64"]
+                    "--n", *KERNEL_SIZES, "--dtype", "float32", "float64", "--algo", "all"]
         if step.kind == "env":
             return [py, "benchmarks/gpu_tools.py", "env"]
         if step.kind == "bench":
             return [py, "-m", "fastspec", "bench", "--suite", step.suite, *step.select, *size,
                     "--json", str(self.out / f"{step.name}.json"), "--time-limit", cap]
+        if step.kind == "race":
+            return [py, "benchmarks/eig_race.py", "--json", str(self.out / "race.json"), "--time-limit", cap, *dry]
         if step.kind == "compare":
             return [py, "-m", "fastspec", "compare", *size, "--json", str(self.out / "compare.json"),
                     "--time-limit", cap]

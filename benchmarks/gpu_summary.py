@@ -10,7 +10,8 @@
   there (another command's, copied in) is merged too, a case measured again replacing its rows.
 * Prints one line per result row (times, speedup, throughput or share of the copy's bandwidth,
   errors and a broken accuracy claim, or why it was skipped), the accuracy summary of
-  ``compare.json``, the tools' verdicts from ``tools.txt``, the accuracy rows and timing lines
+  ``compare.json``, the eigensolver race's winner and times per shape (``race.json``,
+  ``eig_race.py``), the tools' verdicts from ``tools.txt``, the accuracy rows and timing lines
   of ``diag.txt`` (``gpu_diag.py``) and pytest's closing line from ``tests.txt``.
 """
 from __future__ import annotations
@@ -135,6 +136,13 @@ def summary(out: Path, bench: dict | None) -> list[str]:
         lines.append(f"compare: {ok}/{len(rows)} within 2x torch fp32 vs fp64"
                      + (f"; {len(doc['results']) - len(rows)} not run (time cap)" if len(rows) < len(doc["results"]) else "")
                      + (f"; NOT within: {', '.join(bad)}" if bad else ""))
+    race = out / "race.json"
+    if race.exists() and (doc := _load(race)) is not None:  # eig_race.py: winner and times per shape
+        for r in doc["results"]:
+            times = ", ".join(f"{n} {a['ms']:.3g} ms{'' if a['ok'] else ' FAILS accuracy'}"
+                              for n, a in sorted(r["algorithms"].items(), key=lambda kv: kv[1]["ms"]))
+            lines.append(f"race {r['shape']}: winner {r['winner']} ({times})")
+        lines += [f"race {name}: not run (time limit)" for name in doc.get("not_run", [])]
     tools = out / "tools.txt"
     if tools.exists():  # each tool's verdict lines: "<tool> <mode> <targets>: ok|finding|skipped..."
         lines += [ln for ln in tools.read_text(errors="replace").splitlines()

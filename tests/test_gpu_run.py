@@ -23,12 +23,14 @@ import torch
 from fastspec.bench import runner
 from fastspec.bench.case import Case, exactly_zero
 from fastspec.cli import main
+from fastspec.eig import precompile
 
 REPO = Path(__file__).resolve().parents[1]
 KIT = REPO / "benchmarks"
 CPU = torch.device("cpu")
 sys.path.insert(0, str(KIT))
 try:
+    import eig_race
     import gpu_diag
     import gpu_run
     import gpu_summary
@@ -286,6 +288,10 @@ def test_a_plan_over_its_limits_is_refused():
     assert any("headline step" in b for b in gpu_run.problems(late))
 
 
+def every_kind() -> list[str]:
+    return [s.kind for steps in gpu_run.PLAN.values() for s in steps]
+
+
 def test_the_headline_numbers_come_first_and_the_tools_once():
     first = gpu_run.PLAN[1]
     kinds = [s.kind for s in first]
@@ -294,7 +300,9 @@ def test_the_headline_numbers_come_first_and_the_tools_once():
     assert [(s.suite, s.select) for s in heads] == [("eigvalsh", gpu_run.HEAD), ("covariance", gpu_run.HEAD),
                                                     ("probe", gpu_run.HEAD)]
     # after the numbers: the accuracy sweep, then the tests
-    assert first.index(heads[-1]) + 1 == kinds.index("diag") == kinds.index("tests") - 1
+    # then the eigensolver race, the accuracy sweep and the tests
+    assert first.index(heads[-1]) + 1 == kinds.index("race") == kinds.index("diag") - 1 == kinds.index("tests") - 2
+    assert every_kind().count("race") == 1
     every = [s.kind for steps in gpu_run.PLAN.values() for s in steps]
     assert every.count("ncu") == every.count("sanitize") == every.count("tests") == every.count("compare") == 1
     assert "ncu" not in kinds and "sanitize" not in kinds  # not in the command that gives the numbers
@@ -523,9 +531,17 @@ def test_dry_run_of_the_whole_plan_offline_with_tools_and_anchors_missing(tmp_pa
                                    for s in skipped), skipped
     assert "step build: ok" in logs[1]
     assert "step build: reused" in logs[2] and "step build: reused" in logs[3]  # one build, three commands
-    # NVRTC compiled the kernel for sm_90 once; the later commands found it in the kit's cache
-    assert re.search(r"6 variants for sm_90\n(.*nvrtc .*\n){6}", (tmp_path / "out1" / "steps.txt").read_text())
-    assert re.search(r"6 variants for sm_90\n(.*disk .*\n){6}", (tmp_path / "out2" / "steps.txt").read_text())
+    # NVRTC compiled every algorithm's kernels for sm_90 once; the later commands found them in the kit's cache
+    k = len(precompile.todo(90, [int(n) for n in gpu_run.KERNEL_SIZES], ["float32", "float64"], ["all"]))
+    assert k > 6  # the block algorithm's 6 and the candidates'
+    assert re.search(rf"{k} variants for sm_90\n(.*nvrtc .*\n){{{k}}}", (tmp_path / "out1" / "steps.txt").read_text())
+    assert re.search(rf"{k} variants for sm_90\n(.*disk .*\n){{{k}}}", (tmp_path / "out2" / "steps.txt").read_text())
+    # the race ran every algorithm on CPU (the team emulation as a stand-in) and its rows are marked so
+    race = _strict_json(tmp_path / "out1" / "race.json")
+    assert race["dry_run"] is True and len(race["results"]) == len(eig_race.SHAPES) and not race["not_run"]
+    assert all(a["ok"] for r in race["results"] for a in r["algorithms"].values())
+    assert all(r["measured"]["dry_run"] for r in race["rows"])
+    assert re.search(r"^race B4096-n128-fp32-dry: winner \w+ \(", logs[1], re.MULTILINE)
     builds = [r for r in _strict_json(tmp_path / "out2" / "bench.json")["results"]
               if r["size"].startswith("compile-") and "fastspec_s" in r]
     assert builds and all(r["fastspec_error"] == 0 for r in builds)
