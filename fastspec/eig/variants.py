@@ -103,8 +103,9 @@ def packed_smem_elems(n: int) -> int:
 
 def regs_smem_elems(n: int) -> int:
     """Reals of eig_regs.h's shared memory (``regs_smem_elems``): d and e, then one region that
-    holds six vectors of ``round_up(n, 16)`` during the tridiagonalization and eig_core.h's
-    bisection vectors (v, w, v2, then p2 of ``max(n4, GRID)``) after it."""
+    holds six vectors of ``round_up(n, 16)`` during the tridiagonalization and the eigenvalue
+    stage's vectors (the (e^2, d) pairs of ``2 n4``, the eigenvalues of ``n4``, the grid counts of
+    ``max(n4, GRID)``) after it."""
     n4, length = _round_up4(n), (n + 15) // 16 * 16
     return 2 * n4 + max(6 * length, 3 * n4 + max(n4, GRID))
 

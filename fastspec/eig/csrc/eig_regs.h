@@ -8,8 +8,8 @@
 // (64 at n = 128), in `Real a[64]` indexed only by compile-time constants (every loop over it is
 // unrolled; rows >= n hold 0). Full symmetric storage, as eig_core.h. Shared memory: d, e, then a
 // region with six vectors of round_up(n, 16) (u, w, x = the next reflector's column, the two halves'
-// partial products A x, the published column j+1), reused by eig_core.h's bisect_all afterwards.
-// Launch bounds 256 threads x 2 blocks: <= 128 registers (NVRTC 13 for sm_90: 127, no stack, no
+// partial products A x, the published column j+1), reused by the eigenvalue stage afterwards.
+// Launch bounds 256 threads x 2 blocks: <= 128 registers (NVRTC 13 for sm_90: 128, no stack, no
 // local memory); 2 blocks = 16 warps per SM (the block algorithm: 3 blocks, 12 warps).
 //
 // Algorithm (per matrix; only the lower triangle of the input is read):
@@ -17,55 +17,71 @@
 //      in flight per thread); max |a| and finiteness by team.max: NaN/Inf -> all-NaN output, zero
 //      matrix -> zeros; exact scaling by 2^-e in registers (two products by normal powers of two,
 //      so even 2^-127 and subnormal inputs scale exactly).
-//   2. Householder tridiagonalization, xSYTD2 reflectors (as eig_core.h), rearranged so that the
-//      only barriers inside the loop are the team's two reductions per reflector:
-//        R  every member with work builds reflector j from x = column j (shared, zeros on rows <= j):
-//           beta, tau, inv = 1/(alpha - beta) from alpha = x[j+1] and sigma (a team sum);
-//        F  one register pass per column c > j over its chunks of 8 rows that reach past row j (the
-//           work shrinks like (n-j)^2): the pending reflector j-1's update a -= u w_c + w u_c, fused
-//           with s = sum a_new x (u, w, x: 128-bit broadcasts); the partial s of each half goes to
-//           shared memory, and the owners of column j+1 publish it (up to date with reflector j-1);
-//           each member adds y_c s_c, y = inv x, to a team sum: y.(A y);
-//        W  with u = y - inv beta e_{j+1} (no u is ever materialized before F: the raw column
-//           serves as the product vector, the one differing entry is a rank-one correction with the
-//           published column): p = tau (A y - inv beta col), u.p = tau u.A.u from y.(A y), (A y)_{j+1}
-//           and col_{j+1}; then w = p - (tau/2)(p.u) u, and column j+1 updated by reflector j becomes
-//           the next x (and d[j+1]); its sum of squares -> the next sigma (a team sum).
-//      2 barriers per reflector (the block algorithm: 5), both the reductions' own; FS_SYNC only
-//      after the publication of column 0 and at the end. Rounding: the quadratic form u.A.u is
-//      evaluated with every term O(||A||) (y and the scaled products), so its absolute error is
-//      the O(eps ||A||) of the usual dot product p.u: backward stable like eig_core.h's.
-//   3. eigenvalues of T by eig_core.h's bisect_all (Sturm bisection; 128 of the 256 threads own an
-//      eigenvalue), scaled back by 2^e.
+//   2. Householder tridiagonalization, xSYTD2 reflectors (as eig_core.h), rearranged so that each
+//      reflector needs ONE team reduction and one plain barrier:
+//        F  one register pass per column c >= j over its chunks of 8 rows that reach past row j (the
+//           work shrinks like (n-j)^2; the first chunk is picked by a fall-through switch, so the
+//           chunks run straight, without a test and reconvergence each): the pending reflector
+//           j-1's update a -= u w_c + w u_c, fused with s = sum a_new x (u, w, x = column j: 128-bit
+//           broadcasts). The halves' partial s go to shared memory; column j's own s is
+//           x.x = alpha^2 + sigma (no reduction for sigma); the owners of column j+1 publish it.
+//           Each member adds x_c s_c 2^80 (exact scaling) to the team sum x.(A x).
+//        R  after the sum, on the members of half 0 with c >= j (only they need it): beta, tau,
+//           inv = 1/(alpha - beta) by one MUFU each (sqrt.approx, rcp.approx: no IEEE slow
+//           path), y.(A y) = (inv 2^-40)^2 x.(A x) (the 2^80 keeps x.(A x) clear of underflow
+//           for any x fp32 can hold, so no guarded second sum);
+//        W  with u = y - inv beta e_{j+1} (the raw column served as the product vector; the one
+//           differing entry is a rank-one correction with the published column): p = tau (A y -
+//           inv beta col), u.A.u from y.(A y), (A y)_{j+1} and col_{j+1}; w = p - (tau/2)(p.u) u;
+//           column j+1 updated by reflector j becomes the next x (and d[j+1]); FS_SYNC.
+//      2 barriers per reflector (the block algorithm: 5): the sum's and one FS_SYNC. Rounding: the
+//      quadratic form u.A.u is evaluated with every term O(||A||) (y and the scaled products), so
+//      its absolute error is the O(eps ||A||) of the usual dot product p.u: backward stable like
+//      eig_core.h's.
+//   3. eigenvalues of T (regs_eigenvalues, bisect_all's scheme): Gerschgorin interval by two
+//      team.max, counts at the kGrid - 1 interior grid points, then per eigenvalue (128 of the 256
+//      threads) bisection to a width of eps ||T||, with the IEEE Sturm count (no pivmin guard:
+//      +-inf pivots, e^2 floored at FLT_MIN; 4.5 instructions per step instead of eig_core.h's
+//      7.3); a scan that finds them ascending (else a rank sort); scaled back by 2^e.
 //
 // Cost model, fp32 n = 128, 8 warps per matrix (SASS of NVRTC 13 for sm_90, counted with
-// benchmarks/sass.py; tests/test_eig_regs.py keeps the counts). Per reflector, per warp:
-//   * chunk of 8 rows x 32 columns: 6 LDS.128 broadcasts (u, w, x), 24 FFMA, branch + BSSY/BSYNC:
-//     33-35 instructions = 4.1-4.4 per element, 0.75 shared wavefronts per element, no LDS/STS of
-//     an element (the block algorithm: 6.75-6.9 instructions, 2.75 wavefronts). Chunk executions
-//     over all reflectors (a warp runs a chunk if any of its 32 columns is > j and the chunk
-//     reaches past row j): 3296 -> ~112k instructions, ~20k wavefronts per matrix.
-//   * the rest of the reflector loop: the two reductions (shuffles, one STS, BAR, fold of 8 warp
-//     totals: ~44 with the loop control, every warp), R (~45: sqrt and two IEEE divisions, fast
-//     paths; only warps with a column >= j), F's set-up (~20), the publication of column j+1
-//     (16 STS.128, one or two warps), W (~50, the half-0 warps with a column >= j)
-//     -> ~56k + 29k + 13k + 8k + 16k = ~121k instructions per matrix.
-//   * tridiagonalization ~233k instructions, ~30k shared wavefronts; bisect_all ~75k instructions
-//     (as in eig_kernel.cu: 4 of the 8 warps own eigenvalues), ~10k wavefronts; load + max + scale
-//     ~10k (the unrolled address arithmetic of 64 loads per thread).
-//   => ~320k warp instructions and ~40k shared wavefronts per matrix (the block algorithm:
-//      325-330k predicted, 394k measured, and 83k wavefronts): issue bound, ~80k cycles per matrix
-//      per SM at 4 instructions per cycle. 4096 matrices = 31 per SM: 2.48M cycles, PREDICTED
-//      ~1.25-1.42 ms on an H100 SXM (1.98-1.75 GHz) if the issue slots are kept busy; NOT the 1 ms
-//      target (no GPU has run it). The block algorithm ran 2.2x its issue bound on an H200,
-//      latency bound at 12 warps per SM; here 16 warps per SM (2 blocks x 8: the 4.3 KiB of shared
-//      memory no longer limits, the 128 registers per thread do), the chunks carry 8 independent
-//      update chains and 6 independent broadcasts per warp, and there are 2 barriers per
-//      reflector instead of 5. What stays exposed is the serial chain per reflector (reduction ->
-//      R's sqrt and divisions -> F -> reduction -> W -> reduction, ~1000 cycles of dependent
-//      latency at early j): with two blocks per SM overlapping, PREDICTED ~1.3-1.8 ms, the upper end if the
-//      chain is not hidden. Next levers: the two reductions on every warp and R (~85k, a
-//      quarter of the total); bisection is a quarter too (eig_core.h).
+// benchmarks/sass.py; tests/test_eig_regs.py keeps the counts; per-matrix totals are dynamic
+// counts: the SASS path lengths times how often each path runs, summed over the reflectors).
+//   * chunk of 8 rows x 32 columns: 6 LDS.128 broadcasts (u, w, x) + 24 FFMA + ~1 of switch glue
+//     = 31 instructions, 3.9 per element, 0.75 shared wavefronts per element, no LDS/STS of an
+//     element (the block algorithm: 6.75-6.9 instructions, 2.75 wavefronts). Chunk executions
+//     over all reflectors (a warp runs a chunk if one of its columns is >= j and the chunk
+//     reaches past row j): 3320 -> ~103k instructions, ~20k wavefronts per matrix.
+//   * per reflector and warp, every warp: the loop head (~8), the team sum (~27: 5 SHFL + 5 FADD,
+//     the team's scratch addressing, STS, BAR) and the FS_SYNC + loop end (~7) -> ~43k;
+//     warps running F: set-up, switch, the partial s and x_c s_c (~34; 540 warp-reflectors) ->
+//     ~18k; the publication of column j+1 (~14 + 2 STS.128 per chunk, one warp per half) -> ~5k;
+//     R + W on the half-0 warps with a column >= j (~83 with the fold of the 8 warp totals;
+//     319 warp-reflectors) -> ~27k. Tridiagonalization ~195k instructions.
+//   * eigenvalues ~48k: one count = 128 steps = 586 instructions per warp (63 LDS.128 + 1 LDS.64,
+//     127 MUFU.RCP, FADD, FFMA, LEA.HI per step); the grid pass 4 warps x 1 count, bisection 4
+//     warps x 17-18 counts (the cell width (hi - lo)/128 halved down to eps ||T||), the
+//     ascending scan ~0.6k per warp, the Gerschgorin reductions ~0.6k.
+//   * load + max + scale ~11k (the unrolled address arithmetic of 64 loads per thread).
+//   => ~254k warp instructions and ~30k shared wavefronts per matrix (before this revision:
+//      ~320k: two reductions on every warp per reflector, R on every member with work, IEEE
+//      divisions, a guarded Sturm step of 7.3 instructions and an O(n) Gerschgorin loop on all
+//      256 threads; the block algorithm: 325-330k predicted, 394k measured): issue bound at
+//      ~63.5k cycles per matrix per SM (4 instructions per cycle). 4096 matrices = 31.03 per SM:
+//      1.97M cycles, PREDICTED 1.00-1.13 ms on an H100 SXM (1.98-1.75 GHz) if the issue slots are
+//      kept busy: the 1 ms target only at the top clock (no GPU has run it). The block algorithm
+//      ran 2.2x its issue bound on an H200, latency bound at 12 warps per SM; here 16 warps per
+//      SM (2 blocks x 8: the 4.3 KiB of shared memory no longer limits, the 128 registers per
+//      thread do), the chunks carry 8 independent update chains and 6 independent broadcasts
+//      per warp, 2 barriers per reflector instead of 5, and no IEEE-division slow paths in the
+//      reflector. What stays exposed is the serial chain per reflector (F's last chunk -> sum
+//      -> R's MUFUs -> W -> barrier, ~600-800 cycles of dependent latency at early j), which
+//      only the other block on the SM can fill: PREDICTED ~1.0-1.5 ms, the upper end if it is
+//      not hidden. What is left above 1 ms at 1.75 GHz is structural: the chunks (~103k, 40%) are
+//      the floor of this layout (3 FFMA + 0.75 LDS.128 per element and reflector), the team
+//      sum costs ~27 instructions on each of the 8 warps per reflector whether a warp has work or
+//      not (~27k), and the bisection (~43k) is a Sturm count per halving (a faster-converging
+//      iteration once an eigenvalue is isolated is the next lever).
 #pragma once
 #include "eig_core.h"
 #undef FS_SITE_BASE
@@ -77,6 +93,7 @@ constexpr int kRegsMaxN = 128;
 constexpr int kRegsRows = 64;  // register rows per thread: the array a[] (indexed by constants only)
 constexpr int kRegsChunk = 8;  // rows per skip decision (two 128-bit broadcasts of each vector)
 constexpr int kRegsChunks = kRegsRows / kRegsChunk;
+static_assert(kRegsChunks == 8, "regs: the fall-through switches of the fused pass list 8 chunks");
 
 // Team: regs_cols(n) columns x 2 halves; thread t holds column t % regs_cols(n), rows
 // [h * H, h * H + H) with h = t / regs_cols(n) and H = regs_half(n) = round_up(n, 16) / 2 (64 at
@@ -86,8 +103,9 @@ FS_HD constexpr int regs_threads(int n) { return 2 * regs_cols(n); }
 FS_HD constexpr int regs_len(int n) { return (n + 15) / 16 * 16; }  // L: rows of both halves
 FS_HD constexpr int regs_half(int n) { return regs_len(n) / 2; }     // H
 // [d, e: round_up4(n) each] then one region used twice: during the tridiagonalization six vectors
-// of L (u, w, x, p0, p1, col), during bisection eig_core.h's v, w, v2 (round_up4(n) each) and p2
-// (max(round_up4(n), kGrid)).
+// of L (u, w, x, p0, p1, col), during the eigenvalue stage the (e^2, d) pairs (2 round_up4(n)),
+// the eigenvalues (round_up4(n)) and the grid counts (max(round_up4(n), kGrid)). e[n - 1], unused
+// by T, parks the scaling's exponent from the load to the end.
 FS_HD constexpr int64_t regs_region_elems(int n) {
   return 6 * regs_len(n) > 3 * round_up4(n) + (round_up4(n) > kGrid ? round_up4(n) : kGrid)
              ? 6 * regs_len(n)
@@ -116,6 +134,189 @@ FS_HD void regs_store4(double* p, double x0, double x1, double x2, double x3) {
 #else
   p[0] = x0; p[1] = x1; p[2] = x2; p[3] = x3;
 #endif
+}
+
+// Square root and reciprocal of the reflector: on the device one MUFU each (sqrt.approx, which
+// takes a subnormal nrm2 too; rcp.approx.ftz, whose arguments beta and alpha - beta are at least
+// sqrt(nrm2) >= 2^-74.5 in magnitude, normal), within 1-2 ulp and without the IEEE slow paths;
+// on the host IEEE. A reflector built from them is orthogonal to O(eps), as any rounded one. Also
+// the Sturm recurrence's reciprocal (MUFU.RCP; rcp(+-0) = +-inf, rcp(+-inf) = +-0, a subnormal
+// flushes to a signed 0).
+FS_HD float regs_sqrt(float x) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("sqrt.approx.f32 %0, %1;" : "=f"(r) : "f"(x));  // subnormal x too
+  return r;
+#else
+  return sqrtf(x);
+#endif
+}
+FS_HD float regs_rcp(float x) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+#else
+  return 1.0f / x;
+#endif
+}
+FS_HD double regs_sqrt(double x) { return sqrt(x); }
+FS_HD double regs_rcp(double x) { return 1.0 / x; }
+// 1 if the sign bit of q is set, -0 included. Device: the sign bit (one LEA.HI with the add).
+FS_HD int regs_signbit(float q) {
+#if defined(__CUDA_ARCH__)
+  return static_cast<int>(__float_as_uint(q) >> 31);
+#else
+  return std::signbit(q) ? 1 : 0;
+#endif
+}
+FS_HD int regs_signbit(double q) {
+#if defined(__CUDA_ARCH__)
+  return static_cast<int>(static_cast<unsigned long long>(__double_as_longlong(q)) >> 63);
+#else
+  return std::signbit(q) ? 1 : 0;
+#endif
+}
+
+// Number of eigenvalues of T smaller than x by the IEEE recurrence (Kahan; Demmel, Dhillon and
+// Ren 1995): no pivmin guard. A zero pivot gives -e2/(+-0) = -+inf for the next, whose own
+// successor gets -e2/(-+inf) = +-0: the pair counts exactly one negative, as for a tiny pivot of
+// either sign (the sign bit decides, so -0 counts as negative and +0 does not, both right).
+// NaN-free because every e2 is at least FLT_MIN (regs_eigenvalues floors it: a change of |e|
+// below 2^-63, against ||T|| >= 1/2 after the scaling). Backward stable like the guarded
+// count; monotone in x only up to rounding, as that one (bisect_all's notes apply).
+// pairs: (e_{i-1}^2, d_i) at pairs[2 (i - 1)], i = 1..n-1 (the pairs of steps i, i + 1, i odd,
+// are one 16-byte aligned 128-bit broadcast); d0 = d_0. One step: FADD, MUFU.RCP, FFMA, LEA.HI
+// and half an LDS.128.
+template <class Real>
+FS_HD int regs_count(const Real* pairs, Real d0, int n, Real x) {
+  Real q = d0 - x;
+  int count = regs_signbit(q);
+  int i = 1;
+FS_PRAGMA(unroll)
+  for (; i + 1 < n; i += 2) {
+    Real e2a, da, e2b, db;
+    load4(pairs + 2 * (i - 1), e2a, da, e2b, db);
+    q = Num<Real>::fma_(-e2a, regs_rcp(q), da - x);
+    count += regs_signbit(q);
+    q = Num<Real>::fma_(-e2b, regs_rcp(q), db - x);
+    count += regs_signbit(q);
+  }
+  if (i < n) {
+    Real e2a, da;
+    load2(pairs + 2 * (i - 1), e2a, da);
+    q = Num<Real>::fma_(-e2a, regs_rcp(q), da - x);
+    count += regs_signbit(q);
+  }
+  return count;
+}
+
+// Eigenvalues of T (d, e in shared memory, complete) into out[0..n-1], ascending, scaled by 2^ex
+// (ex in e[n - 1], a spare entry).
+// As eig_core.h's bisect_all (a team-wide count at the kGrid - 1 interior points of the
+// Gerschgorin interval, then one bisection per eigenvalue to a width of eps ||T||, a rank sort),
+// but: the Gerschgorin interval by two team.max (not an O(n) loop on every member), the IEEE
+// count above (4.5 instructions per step instead of 7.3), a scan that usually finds the
+// eigenvalues ascending already (the rank sort only if not), and out written directly (no
+// barrier after it: the next matrix writes shared memory only after its team.max).
+// Buffers in `region`: the pairs (2 round_up4(n)), lam (round_up4(n)), counts (max(round_up4(n), kGrid)).
+template <class Team, class Real>
+FS_HD void regs_eigenvalues(const Team& team, int n, const Real* d, const Real* e, Real* region, Real* out) {
+  typedef Num<Real> N;
+  const int t = team.rank(), n4 = static_cast<int>(round_up4(n));
+  Real* pairs = region;
+  Real* lam = region + 2 * n4;
+  Real* counts = lam + n4;
+  Real hi_t = -N::huge(), nlo_t = -N::huge();
+  if (t < n) {
+    const Real dt = d[t];
+    const Real em = t > 0 ? e[t - 1] : Real(0), ep = t + 1 < n ? e[t] : Real(0);
+    const Real radius = N::abs_(em) + N::abs_(ep);
+    hi_t = dt + radius;
+    nlo_t = radius - dt;
+    if (t > 0) {
+      const Real e2 = em * em;
+      pairs[2 * (t - 1)] = e2 > N::tiny() ? e2 : N::tiny();
+      pairs[2 * (t - 1) + 1] = dt;
+    }
+  }
+  const Real d0 = d[0];
+  const Real eps = N::eps();
+  Real hi = team.max(hi_t);  // the reductions' barriers also publish the pairs
+  Real lo = -team.max(nlo_t);
+  const Real tnorm = N::abs_(lo) > N::abs_(hi) ? N::abs_(lo) : N::abs_(hi);
+  const Real widen = Real(2.1) * (tnorm * eps * n + 2 * N::tiny());  // xSTEBZ's margin
+  lo -= widen;
+  hi += widen;
+  const Real tol = eps * tnorm;  // final interval width: error <= eps/2 * ||T||
+  for (int g = 1 + t; g < kGrid; g += team.size())
+    counts[g] = Real(regs_count(pairs, d0, n, grid_point(lo, hi, g)));
+  FS_SYNC(team);
+  const int max_iter = 2 * (sizeof(Real) * 8 + 16);  // 2 + log2((hi - lo) / tol) suffice
+  for (int k = t; k < n; k += team.size()) {  // k-th smallest eigenvalue
+    int glo = 0, ghi = kGrid;
+    while (ghi - glo > 1) {
+      const int g = (glo + ghi) >> 1;
+      if (counts[g] > Real(k)) ghi = g; else glo = g;
+    }
+    Real a = grid_point(lo, hi, glo), b = grid_point(lo, hi, ghi);
+    for (int it = 0; it < max_iter && b - a > tol; ++it) {
+      const Real mid = a + Real(0.5) * (b - a);
+      if (!(mid > a && mid < b)) break;  // down to adjacent floats
+      if (regs_count(pairs, d0, n, mid) > k) b = mid; else a = mid;
+    }
+    lam[k] = a + Real(0.5) * (b - a);
+  }
+  FS_SYNC(team);
+  // ascending already (the usual case: a scan of lam, ~5 instructions per entry and warp) or a
+  // rank sort (rounding may swap neighbours): position = #smaller + #equal before k
+  const int ex = static_cast<int>(e[n - 1]);  // the scaling's exponent, parked there
+  for (int k = t; k < n; k += team.size()) {
+    bool sorted = true;
+    for (int i = 0; i + 1 < n; ++i) sorted = sorted && lam[i] <= lam[i + 1];
+    const Real x = lam[k];
+    int pos = k;
+    if (!sorted) {
+      pos = 0;
+      for (int i = 0; i < n; ++i) pos += (lam[i] < x) || (lam[i] == x && i < k);
+    }
+    out[pos] = N::ldexp_(x, ex);
+  }
+}
+
+// One chunk of the fused pass (rows r = row0 + 8K .. + 7 of this thread's column c): reflector
+// j-1's update a -= u w_c + w u_c, then s += a_new x (four accumulators).
+template <int K, class Real>
+FS_HD void regs_chunk(Real (&a)[kRegsRows], const Real* U, const Real* W, const Real* X, int row0, int H, Real uc,
+                      Real wc, Real& s0, Real& s1, Real& s2, Real& s3) {
+  if (K * kRegsChunk < H) {  // a compile-time constant on the device (n is)
+    const int r = row0 + K * kRegsChunk;
+    Real u[8], w[8], x[8];
+    load4(U + r, u[0], u[1], u[2], u[3]);
+    load4(U + r + 4, u[4], u[5], u[6], u[7]);
+    load4(W + r, w[0], w[1], w[2], w[3]);
+    load4(W + r + 4, w[4], w[5], w[6], w[7]);
+    load4(X + r, x[0], x[1], x[2], x[3]);
+    load4(X + r + 4, x[4], x[5], x[6], x[7]);
+FS_PRAGMA(unroll)
+    for (int m = 0; m < 8; ++m) {
+      Real& y = a[K * kRegsChunk + m];
+      y = Num<Real>::fma_(-w[m], uc, Num<Real>::fma_(-u[m], wc, y));
+      if (m % 4 == 0) s0 = Num<Real>::fma_(y, x[m], s0);
+      else if (m % 4 == 1) s1 = Num<Real>::fma_(y, x[m], s1);
+      else if (m % 4 == 2) s2 = Num<Real>::fma_(y, x[m], s2);
+      else s3 = Num<Real>::fma_(y, x[m], s3);
+    }
+  }
+}
+
+// Column publication, chunk K: rows row0 + 8K .. + 7 of this thread's column into C.
+template <int K, class Real>
+FS_HD void regs_publish(const Real (&a)[kRegsRows], Real* C, int row0, int H) {
+  if (K * kRegsChunk < H) {
+    regs_store4(C + row0 + K * kRegsChunk, a[8 * K], a[8 * K + 1], a[8 * K + 2], a[8 * K + 3]);
+    regs_store4(C + row0 + K * kRegsChunk + 4, a[8 * K + 4], a[8 * K + 5], a[8 * K + 6], a[8 * K + 7]);
+  }
 }
 
 template <class Team, class Real>
@@ -175,96 +376,93 @@ FS_PRAGMA(unroll)
     for (int i = 0; i < kRegsRows; ++i) a[i] = (a[i] * f1) * f2;
   }
 
-  // ---- 3. tridiagonalization. Per reflector j: R (everyone builds tau, beta from x = X, sigma),
-  // F (fused register pass: pending reflector j-1's rank-2 update + partial A x), sum of
-  // y.(A y) -> barrier, W (p, u, w of reflector j, column j+1 updated by it -> X), sum of
-  // sigma -> barrier. Two barriers per reflector, both in the team's reductions.
-  // Column 0, published by its owners, is the first X.
-  if (c == 0) {
-FS_PRAGMA(unroll)
-    for (int k = 0; k < kRegsChunks; ++k)
-      if (k * kRegsChunk < H) {
-        regs_store4(C + row0 + k * kRegsChunk, a[8 * k], a[8 * k + 1], a[8 * k + 2], a[8 * k + 3]);
-        regs_store4(C + row0 + k * kRegsChunk + 4, a[8 * k + 4], a[8 * k + 5], a[8 * k + 6], a[8 * k + 7]);
-      }
-  }
-  FS_SYNC(team);
-  Real sig = 0;  // this member's part of sigma = sum x_i^2, i >= j + 2, of the next reflector
+  // ---- 3. tridiagonalization. Per reflector j: F (fused register pass over columns c >= j:
+  // the pending reflector j-1's rank-2 update + the partial products A x of x = X), the column
+  // j+1 published; ONE team sum, of x.(A x); then R + W on the members of half 0 with c >= j:
+  // reflector j from alpha = x_{j+1} and nrm2 = |x|^2 (column j's own product, (A x)_j = x.x:
+  // no reduction for sigma), its u, w and column j+1 updated by it -> the next X; a barrier.
+  // Two barriers per reflector: the sum's and one FS_SYNC.
+  // The first X is column 0 = row 0 by symmetry, which half 0 holds in a[0] (bitwise: both are
+  // the same element of the input).
   if (h == 0 && c < L) {
-    const Real x = C[c];
     U[c] = 0;  // reflector -1: the identity (u = w = 0, its update subtracts exact zeros)
     W[c] = 0;
-    if (c == 0) d[0] = x;
-    X[c] = c == 0 ? Real(0) : x;
-    sig = c >= 2 ? x * x : Real(0);
-  }
-  for (int j = 0; j + 1 < n; ++j) {  // reflector n-2 is the identity (sigma = 0): it yields e[n-2], d[n-1]
-    const int j1 = j + 1;
-    // R: reflector j from X (xSYTD2): H = I - tau u u^T, u = [1, x[1:] * inv], inv = 1/(alpha - beta)
-    const Real sigma = team.sum(sig);
-    Real beta = 0, tau = 0, inv = 0;
-    if (c >= j && c < n) {  // only members with work in F or W (whole warps past the front skip it)
-      const Real alpha = X[j1];
-      beta = alpha;
-      if (sigma > 0) {  // uniform
-        beta = -N::copysign_(N::sqrt_(alpha * alpha + sigma), alpha);
-        tau = (beta - alpha) / beta;
-        inv = Real(1) / (alpha - beta);
-      }
-      if (c == j1 && h == 0) e[j] = beta;
+    X[c] = c == 0 ? Real(0) : a[0];  // a[0] = 0 for c >= n
+    if (c == 0) {
+      d[0] = a[0];
+      e[n - 1] = Real(ex);  // e's spare last entry (exact): keeps ex out of the loop's registers
     }
-    // F: columns c > j, rows in chunks reaching past j (u = w = 0 and x = 0 below: exact no-ops)
+  }
+  FS_SYNC(team);
+  for (int j = 0; j + 1 < n; ++j) {  // the last reflector, n-2, is a sign flip or the identity
+    const int j1 = j + 1;
+    // F: columns c >= j, chunks of 8 rows reaching past row j (u = w = 0 and x = 0 on rows <= j
+    // of the skipped ones: exact no-ops). Column j's own product is (A x)_j = sum x_r^2 = nrm2.
+    // A half whose rows are all <= j has nothing to do (half 0 from j = H - 1 on): its P counts 0.
     Real q = 0;
-    if (c > j && c < n) {
+    const bool p0 = j + 1 < H;  // half 0 still has rows > j (uniform)
+    if (c >= j && c < n && row0 + H - 1 > j) {
       const Real uc = U[c], wc = W[c];
       Real s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-FS_PRAGMA(unroll)
-      for (int k = 0; k < kRegsChunks; ++k) {
-        if (k * kRegsChunk < H && row0 + k * kRegsChunk + kRegsChunk - 1 > j) {
-          const int r = row0 + k * kRegsChunk;
-          Real u[8], w[8], x[8];
-          load4(U + r, u[0], u[1], u[2], u[3]);
-          load4(U + r + 4, u[4], u[5], u[6], u[7]);
-          load4(W + r, w[0], w[1], w[2], w[3]);
-          load4(W + r + 4, w[4], w[5], w[6], w[7]);
-          load4(X + r, x[0], x[1], x[2], x[3]);
-          load4(X + r + 4, x[4], x[5], x[6], x[7]);
-FS_PRAGMA(unroll)
-          for (int m = 0; m < 8; ++m) {
-            Real& y = a[k * kRegsChunk + m];
-            y = N::fma_(-w[m], uc, N::fma_(-u[m], wc, y));
-            if (m % 4 == 0) s0 = N::fma_(y, x[m], s0);
-            else if (m % 4 == 1) s1 = N::fma_(y, x[m], s1);
-            else if (m % 4 == 2) s2 = N::fma_(y, x[m], s2);
-            else s3 = N::fma_(y, x[m], s3);
-          }
-        }
+      const int m = j - row0, k0 = m < 0 ? 0 : (m + 1) >> 3;  // first chunk with a row > j
+      switch (k0) {  // fall through: chunks k0..7 straight, no test and reconvergence per chunk
+        case 0: regs_chunk<0>(a, U, W, X, row0, H, uc, wc, s0, s1, s2, s3); [[fallthrough]];
+        case 1: regs_chunk<1>(a, U, W, X, row0, H, uc, wc, s0, s1, s2, s3); [[fallthrough]];
+        case 2: regs_chunk<2>(a, U, W, X, row0, H, uc, wc, s0, s1, s2, s3); [[fallthrough]];
+        case 3: regs_chunk<3>(a, U, W, X, row0, H, uc, wc, s0, s1, s2, s3); [[fallthrough]];
+        case 4: regs_chunk<4>(a, U, W, X, row0, H, uc, wc, s0, s1, s2, s3); [[fallthrough]];
+        case 5: regs_chunk<5>(a, U, W, X, row0, H, uc, wc, s0, s1, s2, s3); [[fallthrough]];
+        case 6: regs_chunk<6>(a, U, W, X, row0, H, uc, wc, s0, s1, s2, s3); [[fallthrough]];
+        case 7: regs_chunk<7>(a, U, W, X, row0, H, uc, wc, s0, s1, s2, s3); break;
+        default: break;
       }
       const Real s = (s0 + s1) + (s2 + s3);
       P[h * L + c] = s;
-      q = (inv * X[c]) * (inv * s);  // y_c (A y)_c, y = inv * x: O(|A|), no underflow of x^2
-    }
-    if (c == j1) {  // column j + 1, now up to date with reflector j-1: publish (rows > j suffice)
-FS_PRAGMA(unroll)
-      for (int k = 0; k < kRegsChunks; ++k)
-        if (k * kRegsChunk < H && row0 + k * kRegsChunk + kRegsChunk - 1 > j) {
-          regs_store4(C + row0 + k * kRegsChunk, a[8 * k], a[8 * k + 1], a[8 * k + 2], a[8 * k + 3]);
-          regs_store4(C + row0 + k * kRegsChunk + 4, a[8 * k + 4], a[8 * k + 5], a[8 * k + 6], a[8 * k + 7]);
+      q = X[c] * (s * Real(0x1p80));  // x_c (A x)_c 2^80 (exact scaling); X[j] = 0
+      if (c == j1) {  // column j + 1, up to date with reflector j-1: publish (rows > j suffice)
+        switch (k0) {
+          case 0: regs_publish<0>(a, C, row0, H); [[fallthrough]];
+          case 1: regs_publish<1>(a, C, row0, H); [[fallthrough]];
+          case 2: regs_publish<2>(a, C, row0, H); [[fallthrough]];
+          case 3: regs_publish<3>(a, C, row0, H); [[fallthrough]];
+          case 4: regs_publish<4>(a, C, row0, H); [[fallthrough]];
+          case 5: regs_publish<5>(a, C, row0, H); [[fallthrough]];
+          case 6: regs_publish<6>(a, C, row0, H); [[fallthrough]];
+          case 7: regs_publish<7>(a, C, row0, H); break;
+          default: break;
         }
+      }
     }
-    const Real yAy = team.sum(q);
+    const bool wm = h == 0 && c >= j && c < n;  // members of R + W
+    const Real alpha = wm ? X[j1] : Real(0);  // before the sum: W below rewrites X[j1]
+    const Real xAx = team.sum(q);  // x.(A x) * 2^80
+    // R (xSYTD2): H = I - tau u u^T, u = [1, x[j+2:] * inv], inv = 1/(alpha - beta), y = inv x;
+    // nrm2 = alpha^2 + sigma is column j's own product. y.(A y) = (inv 2^-40)^2 * xAx: with the
+    // 2^80 in the sum's terms, an x as small as fp32 allows (|x|^2 >= 2^-149) leaves every term
+    // normal or its underflow below 2^-72 ||A|| in y.(A y); nothing overflows (|inv| <= 2^75).
+    Real beta = alpha, tau = 0, inv = 0, yAy = 0;
+    if (wm) {
+      const Real nrm2 = (p0 ? P[j] : Real(0)) + P[L + j];
+      if (nrm2 > 0) {  // else x = 0: the identity (tau = 0, u = w = 0)
+        beta = -N::copysign_(regs_sqrt(nrm2), alpha);
+        tau = (beta - alpha) * regs_rcp(beta);
+        inv = regs_rcp(alpha - beta);
+        const Real ib = inv * Real(0x1p-40);
+        yAy = (ib * ib) * xAx;
+      }
+    }
     // W: with u = y - ub e_{j+1} (ub = inv * beta; u_{j+1} = inv (alpha - beta) = 1) and T = A y:
     // p = tau A u = tau (T - ub col), u.A.u = y.T - 2 ub T_{j+1} + ub^2 col_{j+1}.
-    sig = 0;
-    if (h == 0 && c >= j && c < n) {  // c < j (and n <= c < L): u = w = x = 0 already
+    if (wm) {  // c < j (and n <= c < L): u = w = x = 0 already
+      if (c == j1) e[j] = beta;
       const Real ub = inv * beta;
-      const Real T1 = inv * (P[j1] + P[L + j1]), C1 = C[j1];
+      const Real T1 = inv * ((p0 ? P[j1] : Real(0)) + P[L + j1]), C1 = C[j1];
       const Real uAu = N::fma_(ub * ub, C1, N::fma_(Real(-2) * ub, T1, yAy));
       const Real half_tau_pu = Real(0.5) * tau * (tau * uAu);
       const Real w1 = tau * N::fma_(-ub, C1, T1) - half_tau_pu;  // w_{j+1} (every member alike)
       Real uc = 0, wc = 0, xn = 0;
       if (c > j) {
-        const Real Tc = inv * (P[c] + P[L + c]), Cc = C[c];
+        const Real Tc = inv * ((p0 ? P[c] : Real(0)) + P[L + c]), Cc = C[c];
         uc = c == j1 ? Real(1) : inv * X[c];
         wc = tau * N::fma_(-ub, Cc, Tc) - half_tau_pu * uc;
         xn = N::fma_(-wc, Real(1), N::fma_(-uc, w1, Cc));  // F's update of (c, j+1), u_{j+1} = 1
@@ -273,24 +471,12 @@ FS_PRAGMA(unroll)
       W[c] = wc;
       X[c] = c > j1 ? xn : Real(0);
       if (c == j1) d[j1] = xn;
-      sig = c >= j + 3 ? xn * xn : Real(0);
     }
+    FS_SYNC(team);  // U, W, X (and d, e) complete for the next F
   }
-  FS_SYNC(team);  // d[n-1] (last W) and e[n-2] complete; the region is bisect_all's from here
 
-  // ---- 4-5. eigenvalues of T (eig_core.h), scaled back
-  Work<Real> wk;
-  wk.a = nullptr;
-  wk.rs = 0;
-  wk.cs = 0;
-  wk.d = d;
-  wk.e = e;
-  wk.v = region;
-  wk.w = region + n4;
-  wk.v2 = region + 2 * n4;
-  wk.p2 = region + 3 * n4;
-  bisect_all(team, n, wk);
-  for (int i = t; i < n; i += team.size()) out[i] = N::ldexp_(d[i], ex);
+  // ---- 4-5. eigenvalues of T, scaled back
+  regs_eigenvalues(team, n, d, e, region, out);
 }
 
 }  // namespace fastspec
