@@ -13,9 +13,11 @@ check asserts that the undetected sites are exactly those.
 """
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
+import pytest
 import torch
 
 from fastspec.eig import nvrtc
@@ -23,6 +25,21 @@ from fastspec.eig import nvrtc
 EPS32 = float(np.finfo(np.float32).eps)
 EPS64 = float(np.finfo(np.float64).eps)
 CONCURRENT, FORWARD, REVERSE = 0, 1, 2
+
+NO_EXT = pytest.mark.skipif(os.environ.get("FASTSPEC_NO_EXT") == "1",
+                            reason="FASTSPEC_NO_EXT=1: native extension not built")
+"""The emulation's test modules' ``pytestmark``: built on purpose without the extension, nothing to test."""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Import it into a test module: its tests run torch on one thread. The emulation runs up to
+    256 host threads and LAPACK's tiny reference calls gain nothing from more; on a shared 2-core
+    box torch's own pool would only spin against them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def host_module():

@@ -129,7 +129,8 @@ def test_side_stream_and_cuda_graph():
 
 
 def test_kernel_cache_holds_the_variants_used(tmp_path, monkeypatch):
-    from fastspec.eig import cuda as eig_cuda, nvrtc
+    from fastspec.eig import cuda as eig_cuda
+    from fastspec.eig import nvrtc
 
     monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path))
     nvrtc.forget()

@@ -13,11 +13,10 @@ O(n eps ||A||) bound of Householder tridiagonalization for every n >= 8 tested h
 """
 from __future__ import annotations
 
-import os
-
 import _eig_team
 import pytest
 import torch
+from _eig_team import one_torch_thread  # noqa: F401 - an autouse fixture: one torch thread
 
 import fastspec
 from fastspec.eig.matrices import FAMILIES, make_batch
@@ -25,17 +24,7 @@ from fastspec.eig.matrices import FAMILIES, make_batch
 EPS32, EPS64 = _eig_team.EPS32, _eig_team.EPS64
 SIZES = [2, 8, 17, 32, 64, 100, 128, 256]
 
-if os.environ.get("FASTSPEC_NO_EXT") == "1":  # built on purpose without the extension: nothing to test
-    pytestmark = pytest.mark.skip(reason="FASTSPEC_NO_EXT=1: native extension not built")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # tiny LAPACK calls gain nothing from threads; on a shared 2-core CI box they spin and stall
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = _eig_team.NO_EXT
 
 
 def host(A: torch.Tensor) -> torch.Tensor:
@@ -192,27 +181,6 @@ def test_team_emulation_fp64():
     A64 = torch.from_numpy(make_batch("indefinite", 64, 2))
     ref = reference(A64)
     assert (team(A64) - ref).abs().max() <= 64 * EPS64 * ref.abs().max()
-
-
-def test_team_emulation_reuses_its_workspace_across_matrices():
-    # one team solves the batch in turn: early exits (NaN, zero) and the reduction scratch's
-    # alternating halves must leave the next matrix unaffected
-    A = torch.from_numpy(make_batch("spd", 64, 5)).float()
-    A[1, 40, 3] = float("nan")
-    A[3] = 0
-    out = team(A)
-    assert torch.isnan(out[1]).all() and torch.equal(out[3], torch.zeros(64))
-    for i in (0, 2, 4):
-        assert torch.equal(out[i], team(A[i:i + 1])[0])
-
-
-def test_team_emulation_serial_orders_agree_with_the_concurrent_run():
-    # one thread at a time, in rank order or reversed: deterministic, and the same results as the
-    # threads running freely (the algorithm has no race, so the schedule cannot matter)
-    A = torch.from_numpy(make_batch("four-clusters", 45, 2)).float()
-    free = team(A)
-    for order in (_eig_team.FORWARD, _eig_team.REVERSE):
-        assert torch.equal(team(A, order), free)
 
 
 @pytest.mark.parametrize("n", [9, pytest.param(37, marks=pytest.mark.slow)])

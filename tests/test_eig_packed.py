@@ -7,10 +7,11 @@ Two halves, both without a GPU:
 * the team emulation (``csrc/eig_host.cpp``: the algorithm on round_up(n, 32) host threads with the
   kernel's barriers, reduction order and shared-memory layout, poisoned with NaN before the first
   matrix) against LAPACK: the families of :mod:`fastspec.eig.matrices` at several n (tiny, not a
-  multiple of 32, the largest), in the free-running and a serial schedule; the edge cases of the
-  block algorithm (non-finite input sparing its neighbours, zeros, exact 2^k scaling, the strict
-  upper triangle never read, a batch solved in turn by one team); and the barrier-mutation check
-  (every FS_SYNC the algorithm passes is needed, except those annotated ``// unseen:``).
+  multiple of 32, the largest), in the free-running and a serial schedule; and the
+  barrier-mutation check (every FS_SYNC the algorithm passes is needed, except those annotated
+  ``// unseen:``). The contract every algorithm shares (non-finite input sparing its neighbours,
+  zeros, exact 2^k scaling, the strict upper triangle never read, a batch solved in turn by one
+  team, no race) is tests/test_eig_algorithms.py's.
 * the kernel compiled for sm_90 by NVRTC through the launcher's plan, read by ``cuobjdump``:
   no spills, no generic loads/stores, registers within the launch bounds (and within 5 blocks per
   SM at n = 128), and the hot loops' instruction counts of the cost model in the header.
@@ -20,31 +21,28 @@ n eps ||A|| of LAPACK).
 """
 from __future__ import annotations
 
-import os
-
+import _eig_team
 import pytest
 import torch
+from _eig_team import (
+    CONCURRENT,
+    FORWARD,
+    REVERSE,
+    assert_barriers_needed,
+    assert_fp64_close,
+    assert_within_torch_error,
+    one_torch_thread,  # noqa: F401 - an autouse fixture: one torch thread
+    team,
+)
 
-from _eig_team import (CONCURRENT, FORWARD, REVERSE, assert_barriers_needed, assert_fp64_close,
-                       assert_within_torch_error, team)
 from fastspec.eig import variants
 from fastspec.eig.matrices import FAMILIES, make_batch
 
-if os.environ.get("FASTSPEC_NO_EXT") == "1":  # built on purpose without the extension: nothing to test
-    pytestmark = pytest.mark.skip(reason="FASTSPEC_NO_EXT=1: native extension not built")
+pytestmark = _eig_team.NO_EXT
 
 ALGO = "packed"
 FAMILY_SET = [f for f in ("indefinite", "graded-1e-8", "four-clusters", "rank-deficient", "wilkinson",
                           "gram-activations", "spd-1e30") if f in FAMILIES]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # the emulation runs up to 256 host threads; torch's own pool would only compete for 2 cores
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def packed(A: torch.Tensor, schedule: int = CONCURRENT) -> torch.Tensor:
@@ -120,62 +118,6 @@ def test_fp64(n, family):
 def test_fp64_sizes_that_fit_an_h100_block():
     a = variants.ALGORITHMS[ALGO]
     assert 8 * (a.smem_elems(220) + 64) <= 227 * 1024 < 8 * (a.smem_elems(224) + 64)
-
-
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_nonfinite_matrix_gives_nan_and_spares_neighbours(bad):
-    A = torch.from_numpy(make_batch("indefinite", 45, 4)).float()
-    solo = packed(A)
-    A[1, 40, 3] = bad  # lower triangle, outside the first panel
-    A[2, 44, 44] = bad
-    out = packed(A)
-    assert torch.isnan(out[1]).all() and torch.isnan(out[2]).all()
-    assert torch.equal(out[0], solo[0]) and torch.equal(out[3], solo[3])
-
-
-def test_zero_matrix_and_identity():
-    for n in (1, 5, 64):
-        assert torch.equal(packed(torch.zeros(2, n, n)), torch.zeros(2, n))
-        torch.testing.assert_close(packed(torch.eye(n).expand(2, n, n)), torch.ones(2, n), atol=2e-7, rtol=0)
-
-
-def test_power_of_two_scaling_is_exact():
-    # inputs are rescaled by 2^-e internally: scaling A by 2^k must scale the result exactly
-    A = torch.from_numpy(make_batch("indefinite", 50, 2)).float()
-    base = packed(A, FORWARD)
-    for k in (-100, -30, 7, 100):
-        assert torch.equal(packed(A * 2.0**k, FORWARD), base * 2.0**k)
-    A64 = A.double()
-    base64 = packed(A64, FORWARD)
-    for k in (-1000, 600):  # far outside the fp32 range
-        assert torch.equal(packed(A64 * 2.0**k, FORWARD), base64 * 2.0**k)
-
-
-def test_strict_upper_triangle_is_never_read():
-    A = torch.from_numpy(make_batch("indefinite", 40, 2)).float()
-    garbage = torch.tril(A) + torch.triu(torch.full_like(A, float("nan")), diagonal=1)
-    assert torch.equal(packed(garbage, FORWARD), packed(A, FORWARD))
-
-
-def test_one_team_solves_a_batch_in_turn():
-    # early exits (NaN, zero), the reduction scratch's halves and the reused triangle (NaN-poisoned
-    # before the first matrix) must leave the next matrix unaffected, in any schedule
-    A = torch.from_numpy(make_batch("gram-activations", 40, 6)).float()
-    A[1, 35, 3] = float("nan")
-    A[3] = 0
-    for schedule in (CONCURRENT, REVERSE):
-        out = packed(A, schedule)
-        assert torch.isnan(out[1]).all() and torch.equal(out[3], torch.zeros(40))
-        for i in (0, 2, 4, 5):
-            assert torch.equal(out[i], packed(A[i:i + 1], schedule)[0]), (schedule, i)
-
-
-def test_serial_orders_agree():
-    # no race: the two serial orders and the free-running one give identical bits
-    A = torch.from_numpy(make_batch("four-clusters", 70, 2)).float()
-    base = packed(A, FORWARD)
-    assert torch.equal(packed(A, REVERSE), base)
-    assert torch.equal(packed(A, CONCURRENT), base)
 
 
 # two panels (n = 40) and three, with a partial last panel (n = 70; ~8 s)

@@ -12,28 +12,25 @@ from __future__ import annotations
 
 import os
 
+import _eig_team
 import pytest
 import torch
+from _eig_team import (
+    CONCURRENT,
+    assert_barriers_needed,
+    assert_fp64_close,
+    assert_within_torch_error,
+    one_torch_thread,  # noqa: F401 - an autouse fixture: one torch thread
+    team,
+)
 
 from fastspec.eig.matrices import make_batch
 
-from _eig_team import CONCURRENT, FORWARD, REVERSE, assert_barriers_needed, assert_fp64_close, \
-    assert_within_torch_error, team
-
-if os.environ.get("FASTSPEC_NO_EXT") == "1":  # built on purpose without the extension: nothing to test
-    pytestmark = pytest.mark.skip(reason="FASTSPEC_NO_EXT=1: native extension not built")
+pytestmark = _eig_team.NO_EXT
 
 FAMILIES = ["indefinite", "graded-1e-8", "four-clusters", "rank-deficient", "wilkinson", "gram-activations",
             "spd-1e30"]
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def split(A: torch.Tensor, schedule: int = CONCURRENT) -> torch.Tensor:
@@ -65,56 +62,6 @@ def test_battery(family, n, dt):
     check(A, split(A))
 
 
-@pytest.mark.parametrize("n, dt", [(5, "fp64"), (33, "fp32"), (64, "fp64"),
-                                   pytest.param(128, "fp64", marks=pytest.mark.slow)])
-def test_serial_schedules_agree_with_the_concurrent_one(n, dt):
-    # the algorithm has no race: both serial orders and free-running threads give the same bits
-    A = torch.from_numpy(make_batch("indefinite", n, 2)).to(DTYPES[dt])
-    ours = split(A)
-    check(A, ours)
-    assert torch.equal(split(A, FORWARD), ours) and torch.equal(split(A, REVERSE), ours)
-
-
-@pytest.mark.parametrize("dt", list(DTYPES))
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_nonfinite_matrix_gives_nan_and_spares_neighbours(bad, dt):
-    A = torch.from_numpy(make_batch("spd", 33, 4)).to(DTYPES[dt])
-    solo = split(A)
-    A[1, 20, 3] = bad  # lower triangle: read
-    A[2, 32, 32] = bad
-    out = split(A)
-    assert torch.isnan(out[1]).all() and torch.isnan(out[2]).all()
-    assert torch.equal(out[0], solo[0]) and torch.equal(out[3], solo[3])
-
-
-@pytest.mark.parametrize("dt", list(DTYPES))
-def test_zero_matrix_and_workspace_reuse(dt):
-    # one team solves the batch in turn: early exits (NaN, zero) leave the next matrix unaffected
-    A = torch.from_numpy(make_batch("spd", 40, 5)).to(DTYPES[dt])
-    A[1, 30, 3] = float("nan")
-    A[3] = 0
-    out = split(A)
-    assert torch.isnan(out[1]).all() and torch.equal(out[3], torch.zeros(40, dtype=A.dtype))
-    for i in (0, 2, 4):
-        assert torch.equal(out[i], split(A[i:i + 1])[0])
-    assert torch.equal(split(torch.zeros(2, 1, 1, dtype=A.dtype)), torch.zeros(2, 1, dtype=A.dtype))
-
-
-@pytest.mark.parametrize("dt", list(DTYPES))
-def test_power_of_two_scaling_is_exact(dt):
-    A = torch.from_numpy(make_batch("indefinite", 21, 2)).to(DTYPES[dt])
-    base = split(A)
-    for k in (-100, -30, 7, 100):
-        assert torch.equal(split(A * 2.0**k), base * 2.0**k)
-
-
-@pytest.mark.parametrize("dt", list(DTYPES))
-def test_strict_upper_triangle_is_never_read(dt):
-    A = torch.from_numpy(make_batch("indefinite", 37, 2)).to(DTYPES[dt])
-    garbage = torch.tril(A) + torch.triu(torch.full_like(A, float("nan")), diagonal=1)
-    assert torch.equal(split(garbage), split(A))
-
-
 def test_identity_and_diagonal():
     # zero off-diagonals everywhere (the Sturm pivots' pivmin guard) and exactly repeated eigenvalues
     for dt in DTYPES.values():
@@ -135,10 +82,10 @@ def test_every_barrier_is_needed(n, dt):
 
 def _sm90(dtype: str, n: int):
     """``(variant, kernel SASS, resources)`` of the split variant, compiled by NVRTC in a fresh cache."""
-    import tempfile  # noqa: PLC0415
+    import tempfile
 
-    from benchmarks.sass import disassemble, kernels, resource_usage  # noqa: PLC0415 - a maintainer's tool
-    from fastspec.eig import cuda, nvrtc  # noqa: PLC0415
+    from benchmarks.sass import disassemble, kernels, resource_usage
+    from fastspec.eig import cuda, nvrtc
 
     with tempfile.TemporaryDirectory() as folder, pytest.MonkeyPatch.context() as mp:
         mp.setenv("FASTSPEC_CACHE", folder)
@@ -152,8 +99,8 @@ def _sm90(dtype: str, n: int):
 
 
 def _needs_sass():
-    from benchmarks.sass import find_tool  # noqa: PLC0415
-    from fastspec.eig import nvrtc  # noqa: PLC0415
+    from benchmarks.sass import find_tool
+    from fastspec.eig import nvrtc
 
     if find_tool("cuobjdump") is None:
         pytest.skip("needs cuobjdump (CUDA toolkit or the triton wheel)")

@@ -163,6 +163,27 @@ FS_HD void load4(const double* p, double& x0, double& x1, double& x2, double& x3
 #endif
 }
 
+// Four consecutive reals to a 16-byte aligned team-shared address: one STS.128 (two for double).
+FS_HD void store4(float* p, float x0, float x1, float x2, float x3) {
+#if defined(__CUDA_ARCH__)
+  float4 q;
+  q.x = x0; q.y = x1; q.z = x2; q.w = x3;
+  *reinterpret_cast<float4*>(p) = q;
+#else
+  p[0] = x0; p[1] = x1; p[2] = x2; p[3] = x3;
+#endif
+}
+FS_HD void store4(double* p, double x0, double x1, double x2, double x3) {
+#if defined(__CUDA_ARCH__)
+  double2 q0, q1;
+  q0.x = x0; q0.y = x1; q1.x = x2; q1.y = x3;
+  reinterpret_cast<double2*>(p)[0] = q0;
+  reinterpret_cast<double2*>(p)[1] = q1;
+#else
+  p[0] = x0; p[1] = x1; p[2] = x2; p[3] = x3;
+#endif
+}
+
 // Work arrays of one matrix: a (n rows of stride rs) plus six vectors of n, each 16-byte aligned.
 template <class Real> struct Work {
   Real* a;   // full symmetric copy, element (r, c) at a[r * rs + c * cs]
@@ -223,16 +244,19 @@ constexpr int kPaddedRows128 = 128 + 1;  // block_work's row stride at the aimed
 // Rows are walked in step by the whole team (member = column), so a warp reads one row's
 // consecutive columns (coalesced for row-major input); kBatch rows are loaded before the first
 // store, so that many global loads are in flight per thread. No division per element.
-template <class Team, class Real>
-FS_HD Real load_lower(const Team& team, const Real* in, int64_t sr, int64_t sc, int n, Work<Real> wk) {
+// load_lower_part is one member's share, without the team's max: columns c0, c0 + cstep, ...,
+// and of each the batches of rows part, part + parts, ... (eig_split.h: two members a column).
+template <class Real>
+FS_HD Real load_lower_part(const Real* in, int64_t sr, int64_t sc, int n, Work<Real> wk, int c0, int cstep,
+                           int part = 0, int parts = 1) {
   constexpr int kBatch = 8;
   Real local = 0;
-  for (int c = team.rank(); c < n; c += team.size()) {
+  for (int c = c0; c < n; c += cstep) {
     // rows below c are the strict upper triangle (never read: torch UPLO='L' semantics); start
     // at a multiple of 32 so a warp's 32 columns stay on the same row
-    const int rstart = c & ~31;
+    const int rstart = (c & ~31) + kBatch * part;
     const Real* src = in + static_cast<int64_t>(rstart) * sr + static_cast<int64_t>(c) * sc;
-    for (int r0 = rstart; r0 < n; r0 += kBatch, src += kBatch * sr) {
+    for (int r0 = rstart; r0 < n; r0 += kBatch * parts, src += kBatch * parts * sr) {
       Real x[kBatch];
 FS_PRAGMA(unroll)
       for (int j = 0; j < kBatch; ++j) {
@@ -251,7 +275,11 @@ FS_PRAGMA(unroll)
       }
     }
   }
-  return team.max(local);
+  return local;
+}
+template <class Team, class Real>
+FS_HD Real load_lower(const Team& team, const Real* in, int64_t sr, int64_t sc, int n, Work<Real> wk) {
+  return team.max(load_lower_part(in, sr, sc, n, wk, team.rank(), team.size()));
 }
 
 // Step 2: a <- a * 2^-ex for the n x n matrix, exactly (a product by a normal power of two is
@@ -304,56 +332,64 @@ FS_HD void update_column(const Team& team, int j, int n, Work<Real> wk, const Re
   }
 }
 
-// One pass over columns c in [c0, n), rows [r4, n) (r4 a multiple of 4; u = w = 0 on rows below
-// the pending reflector's first row): A <- A - u w^T - w u^T (both triangles, so columns stay
-// contiguous) and, with WITH_P, p2[c] = tau2 * sum_r A_new[r][c] u2[r] for the next reflector
-// (u2 = 0 on rows below its first row). One column per member: column access is bank-conflict
-// free on the GPU. Four rows per step, loads first, then the arithmetic, then the stores (the
-// stores may alias the vectors as far as the compiler knows: loads after them would serialize).
-// Four interleaved partial sums for p: four independent FMA chains, and a rounding error bound
-// growing with n/4 terms instead of n.
+// Rows [rb, re) of column c (rb a multiple of 4; u = w = 0 on rows below the pending reflector's
+// first row): a[r][c] -= u_r w_c + w_r u_c and, with WITH_P, returns sum_r a_new[r][c] u2[r] (u2 = 0
+// on rows below its first row; 0 without WITH_P). Four rows per step, loads first, then the
+// arithmetic, then the stores (the stores may alias the vectors as far as the compiler knows: loads
+// after them would serialize). Four interleaved partial sums: four independent FMA chains, and a
+// rounding error bound growing with n/4 terms instead of n. kRowStride > 0: the row stride as a
+// compile-time constant (the kernel's padded n = 128 layout), so the four rows' addresses are
+// immediate offsets of one pointer.
+template <bool WITH_P, int kRowStride = 0, class Real>
+FS_HD Real update_rows(Work<Real> wk, int c, int rb, int re, const Real* u, const Real* w, const Real* u2) {
+  Real* a = wk.a;
+  const int rs = kRowStride > 0 ? kRowStride : wk.rs, cs = wk.cs;
+  const Real uc = u[c], wc = w[c];
+  Real s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+  Real* pa = a + rb * rs + c * cs;  // walks the column: one pointer step per four rows
+  int r = rb;
+FS_PRAGMA(unroll 2)
+  for (; r + 3 < re; r += 4, pa += 4 * rs) {
+    Real u0, u1, uu2, u3, w0, w1, w2, w3;
+    load4(u + r, u0, u1, uu2, u3);
+    load4(w + r, w0, w1, w2, w3);
+    Real a0 = pa[0], a1 = pa[rs], a2 = pa[2 * rs], a3 = pa[3 * rs];
+    a0 = Num<Real>::fma_(-w0, uc, Num<Real>::fma_(-u0, wc, a0));
+    a1 = Num<Real>::fma_(-w1, uc, Num<Real>::fma_(-u1, wc, a1));
+    a2 = Num<Real>::fma_(-w2, uc, Num<Real>::fma_(-uu2, wc, a2));
+    a3 = Num<Real>::fma_(-w3, uc, Num<Real>::fma_(-u3, wc, a3));
+    if (WITH_P) {
+      Real x0, x1, x2, x3;
+      load4(u2 + r, x0, x1, x2, x3);
+      s0 += a0 * x0;
+      s1 += a1 * x1;
+      s2 += a2 * x2;
+      s3 += a3 * x3;
+    }
+    pa[0] = a0;
+    pa[rs] = a1;
+    pa[2 * rs] = a2;
+    pa[3 * rs] = a3;
+  }
+FS_PRAGMA(unroll 1)
+  for (; r < re; ++r) {  // re % 4 rows (the compiler cannot see that it is < 4: keep it rolled)
+    const Real x = Num<Real>::fma_(-w[r], uc, Num<Real>::fma_(-u[r], wc, a[r * rs + c * cs]));
+    if (WITH_P) s0 += x * u2[r];
+    a[r * rs + c * cs] = x;
+  }
+  return (s0 + s1) + (s2 + s3);
+}
+
+// One pass over columns c in [c0, n), rows [r4, n) (r4 a multiple of 4): A <- A - u w^T - w u^T
+// (both triangles, so columns stay contiguous) and, with WITH_P, p2[c] = tau2 * sum_r A_new[r][c]
+// u2[r] for the next reflector. One column per member: column access is bank-conflict free on the
+// GPU.
 template <bool WITH_P, int kRowStride = 0, class Team, class Real>
 FS_HD void update_trailing(const Team& team, int c0, int r4, int n, Work<Real> wk, const Real* u, const Real* w,
                            const Real* u2, Real tau2, Real* p2) {
-  Real* a = wk.a;
-  // kRowStride > 0: the row stride as a compile-time constant (the kernel's padded n = 128
-  // layout), so the four rows' addresses are immediate offsets of one pointer
-  const int rs = kRowStride > 0 ? kRowStride : wk.rs, cs = wk.cs;
   for (int c = c0 + team.rank(); c < n; c += team.size()) {
-    const Real uc = u[c], wc = w[c];
-    Real s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-    Real* pa = a + r4 * rs + c * cs;  // walks the column: one pointer step per four rows
-    int r = r4;
-FS_PRAGMA(unroll 2)
-    for (; r + 3 < n; r += 4, pa += 4 * rs) {
-      Real u0, u1, uu2, u3, w0, w1, w2, w3;
-      load4(u + r, u0, u1, uu2, u3);
-      load4(w + r, w0, w1, w2, w3);
-      Real a0 = pa[0], a1 = pa[rs], a2 = pa[2 * rs], a3 = pa[3 * rs];
-      a0 = Num<Real>::fma_(-w0, uc, Num<Real>::fma_(-u0, wc, a0));
-      a1 = Num<Real>::fma_(-w1, uc, Num<Real>::fma_(-u1, wc, a1));
-      a2 = Num<Real>::fma_(-w2, uc, Num<Real>::fma_(-uu2, wc, a2));
-      a3 = Num<Real>::fma_(-w3, uc, Num<Real>::fma_(-u3, wc, a3));
-      if (WITH_P) {
-        Real x0, x1, x2, x3;
-        load4(u2 + r, x0, x1, x2, x3);
-        s0 += a0 * x0;
-        s1 += a1 * x1;
-        s2 += a2 * x2;
-        s3 += a3 * x3;
-      }
-      pa[0] = a0;
-      pa[rs] = a1;
-      pa[2 * rs] = a2;
-      pa[3 * rs] = a3;
-    }
-FS_PRAGMA(unroll 1)
-    for (; r < n; ++r) {  // n % 4 rows (the compiler cannot see that it is < 4: keep it rolled)
-      const Real x = Num<Real>::fma_(-w[r], uc, Num<Real>::fma_(-u[r], wc, a[r * rs + c * cs]));
-      if (WITH_P) s0 += x * u2[r];
-      a[r * rs + c * cs] = x;
-    }
-    if (WITH_P) p2[c] = tau2 * ((s0 + s1) + (s2 + s3));
+    const Real s = update_rows<WITH_P, kRowStride>(wk, c, r4, n, u, w, u2);
+    if (WITH_P) p2[c] = tau2 * s;
   }
 }
 
@@ -429,79 +465,108 @@ FS_HD void load2(const double* p, double& x0, double& x1) {
 #endif
 }
 
+// One step of the Sturm recurrence, q' = (d - x) - e^2 / q with t = d - x, and the count's sign
+// test: the block algorithm's (Num's division and sign bit). An algorithm may bring its own
+// (eig_split.h's float64 step has no IEEE division).
+template <class Real> struct SturmStep {
+  static FS_HD Real step(Real q, Real e2, Real t) { return t - Num<Real>::sturm_div(e2, q); }
+  static FS_HD int negative(Real q) { return Num<Real>::negative(q); }
+};
+
 // Number of eigenvalues of T smaller than x. T is given as pairs te[2i] = e_{i-1}^2 (e_{-1} = 0),
 // te[2i+1] = d_i: one (broadcast) load per step. Zero pivots are replaced by -pivmin (xLAEBZ),
 // which keeps the count monotone in x and finite.
-template <class Real>
+template <class Real, class Step = SturmStep<Real>>
 FS_HD int sturm_count(const Real* te, int n, Real x, Real pivmin) {
   Real q = te[1] - x;
   q = Num<Real>::abs_(q) <= pivmin ? -pivmin : q;
-  int count = Num<Real>::negative(q);
+  int count = Step::negative(q);
   for (int i = 1; i < n; ++i) {
     Real e2, d;
     load2(te + 2 * i, e2, d);
-    q = (d - x) - Num<Real>::sturm_div(e2, q);
+    q = Step::step(q, e2, d - x);
     q = Num<Real>::abs_(q) <= pivmin ? -pivmin : q;  // never 0 or NaN after this
-    count += Num<Real>::negative(q);
+    count += Step::negative(q);
   }
   return count;
 }
 
-// Grid point g in [0, kGrid] of [lo, hi]; the same expression wherever it is evaluated.
-template <class Real> FS_HD Real grid_point(Real lo, Real hi, int g) {
-  return g == kGrid ? hi : lo + (hi - lo) * (Real(g) * (Real(1) / kGrid));
+// Grid point g in [0, cells] of [lo, hi]; the same expression wherever it is evaluated.
+template <class Real> FS_HD Real grid_point(Real lo, Real hi, int g, int cells = kGrid) {
+  return g == cells ? hi : lo + (hi - lo) * (Real(g) * (Real(1) / cells));
+}
+
+// The (e^2, d) pairs of the Sturm recurrence from T's d and e: te[2i] = e_{i-1}^2 (e_{-1} = 0),
+// te[2i+1] = d_i, written by the team (2n contiguous reals). No barrier.
+template <class Team, class Real>
+FS_HD void sturm_pairs(const Team& team, const Real* d, const Real* e, int n, Real* te) {
+  for (int i = team.rank(); i < n; i += team.size()) {
+    te[2 * i] = i > 0 ? e[i - 1] * e[i - 1] : Real(0);
+    te[2 * i + 1] = d[i];
+  }
+}
+
+// Where T's eigenvalues lie and how far to bisect: the Gerschgorin interval [lo, hi] widened by
+// xSTEBZ's safety margin, the zero-pivot guard pivmin, and the final width tol = eps ||T||
+// (error <= eps/2 ||T||). O(n) on every member, identical everywhere: no barrier needed.
+template <class Real> struct Bracket {
+  Real lo, hi, pivmin, tol;
+};
+template <class Real> FS_HD Bracket<Real> gerschgorin(const Real* d, const Real* e, int n) {
+  const Real eps = Num<Real>::eps();
+  Real lo = d[0], hi = d[0], e2max = 0;
+  for (int i = 0; i < n; ++i) {
+    const Real radius = (i > 0 ? Num<Real>::abs_(e[i - 1]) : Real(0)) + (i + 1 < n ? Num<Real>::abs_(e[i]) : Real(0));
+    lo = (d[i] - radius < lo) ? d[i] - radius : lo;
+    hi = (d[i] + radius > hi) ? d[i] + radius : hi;
+    if (i + 1 < n && e[i] * e[i] > e2max) e2max = e[i] * e[i];
+  }
+  const Real pivmin = Num<Real>::tiny() * (e2max > 1 ? e2max : Real(1));
+  const Real tnorm = Num<Real>::abs_(lo) > Num<Real>::abs_(hi) ? Num<Real>::abs_(lo) : Num<Real>::abs_(hi);
+  const Real widen = Real(2.1) * (tnorm * eps * n + 2 * pivmin);  // xSTEBZ's safety margin
+  return Bracket<Real>{lo - widen, hi + widen, pivmin, eps * tnorm};
+}
+
+// The k-th smallest eigenvalue (k from 0) by bisection, from the team's grid pass: counts[g] is
+// the number of eigenvalues below grid point g of [lo, hi] for the interior points (count(lo) =
+// 0, count(hi) = n). A binary search over the grid brackets it (count(glo) <= k < count(ghi); a
+// count that rounding made non-monotone still leaves a valid bracket), then `count(x)` halves
+// the bracket to width tol. 2 + log2((hi - lo) / tol) halvings suffice; the cap only guards
+// against broken arithmetic.
+template <class Real, class Count>
+FS_HD Real bisect_from_grid(int k, const Real* counts, Real lo, Real hi, Real tol, Count count) {
+  const int max_iter = 2 * (sizeof(Real) * 8 + 16);
+  int glo = 0, ghi = kGrid;
+  while (ghi - glo > 1) {
+    const int g = (glo + ghi) >> 1;
+    if (counts[g] > Real(k)) ghi = g; else glo = g;
+  }
+  Real a = grid_point(lo, hi, glo), b = grid_point(lo, hi, ghi);
+  for (int it = 0; it < max_iter && b - a > tol; ++it) {
+    const Real mid = a + Real(0.5) * (b - a);
+    if (!(mid > a && mid < b)) break;  // interval is down to adjacent floats
+    if (count(mid) > k) b = mid; else a = mid;
+  }
+  return a + Real(0.5) * (b - a);
 }
 
 // Steps 4-5: eigenvalues of T, ascending, into wk.d[0..n-1]. Needs d, e from tridiagonalize.
 // Buffers: (e^2, d) pairs in v..w (2n contiguous), grid counts in p2, eigenvalues in v2.
 template <class Team, class Real>
 FS_HD void bisect_all(const Team& team, int n, Work<Real> wk) {
-  const Real eps = Num<Real>::eps();
   Real* te = wk.v;
   Real* counts = wk.p2;  // counts at the interior grid points, as Reals (exact: n < 2^24)
   Real* lam = wk.v2;
-  for (int i = team.rank(); i < n; i += team.size()) {
-    te[2 * i] = i > 0 ? wk.e[i - 1] * wk.e[i - 1] : Real(0);
-    te[2 * i + 1] = wk.d[i];
-  }
-  // Gerschgorin interval and pivmin: O(n) per member, identical everywhere, no barrier needed
-  Real lo = wk.d[0], hi = wk.d[0], e2max = 0;
-  for (int i = 0; i < n; ++i) {
-    const Real radius = (i > 0 ? Num<Real>::abs_(wk.e[i - 1]) : Real(0)) +
-                        (i + 1 < n ? Num<Real>::abs_(wk.e[i]) : Real(0));
-    lo = (wk.d[i] - radius < lo) ? wk.d[i] - radius : lo;
-    hi = (wk.d[i] + radius > hi) ? wk.d[i] + radius : hi;
-    if (i + 1 < n && wk.e[i] * wk.e[i] > e2max) e2max = wk.e[i] * wk.e[i];
-  }
-  const Real pivmin = Num<Real>::tiny() * (e2max > 1 ? e2max : Real(1));
-  const Real tnorm = Num<Real>::abs_(lo) > Num<Real>::abs_(hi) ? Num<Real>::abs_(lo) : Num<Real>::abs_(hi);
-  const Real widen = Real(2.1) * (tnorm * eps * n + 2 * pivmin);  // xSTEBZ's safety margin
-  lo -= widen;
-  hi += widen;
-  const Real tol = eps * tnorm;  // final interval width: error <= eps/2 * ||T||
+  sturm_pairs(team, wk.d, wk.e, n, te);
+  const Bracket<Real> br = gerschgorin(wk.d, wk.e, n);
   FS_SYNC(team);  // te complete
   // counts at the grid's interior points, one per member per kGrid / size
   for (int g = 1 + team.rank(); g < kGrid; g += team.size())
-    counts[g] = Real(sturm_count(te, n, grid_point(lo, hi, g), pivmin));
+    counts[g] = Real(sturm_count(te, n, grid_point(br.lo, br.hi, g), br.pivmin));
   FS_SYNC(team);
-  // 2 + log2((hi - lo) / tol) halvings suffice; the cap only guards against broken arithmetic
-  const int max_iter = 2 * (sizeof(Real) * 8 + 16);
-  for (int k = team.rank(); k < n; k += team.size()) {  // k-th smallest eigenvalue
-    // bracket from the grid: count(glo) <= k < count(ghi), with count(lo) = 0, count(hi) = n.
-    // Binary search; a count that rounding made non-monotone still leaves a valid bracket.
-    int glo = 0, ghi = kGrid;
-    while (ghi - glo > 1) {
-      const int g = (glo + ghi) >> 1;
-      if (counts[g] > Real(k)) ghi = g; else glo = g;
-    }
-    Real a = grid_point(lo, hi, glo), b = grid_point(lo, hi, ghi);
-    for (int it = 0; it < max_iter && b - a > tol; ++it) {
-      const Real mid = a + Real(0.5) * (b - a);
-      if (!(mid > a && mid < b)) break;  // interval is down to adjacent floats
-      if (sturm_count(te, n, mid, pivmin) > k) b = mid; else a = mid;
-    }
-    lam[k] = a + Real(0.5) * (b - a);
-  }
+  for (int k = team.rank(); k < n; k += team.size())  // k-th smallest eigenvalue
+    lam[k] = bisect_from_grid(k, counts, br.lo, br.hi, br.tol,
+                              [&](Real x) { return sturm_count(te, n, x, br.pivmin); });
   FS_SYNC(team);
   // counts are monotone in exact arithmetic; rounding may still swap neighbours: rank sort
   // (position of lam[k] = #smaller + #equal before k), O(n) broadcast reads per member

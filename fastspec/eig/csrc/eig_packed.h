@@ -98,27 +98,6 @@ FS_HD constexpr int64_t bisect_elems(int n) {
 }
 FS_HD constexpr int64_t vec_base(int n) { return matrix_elems(n) > bisect_elems(n) ? matrix_elems(n) : bisect_elems(n); }
 
-// Four consecutive reals at a 16-byte aligned shared address: one STS.128 (two for double).
-FS_HD void store4(float* p, float x0, float x1, float x2, float x3) {
-#if defined(__CUDA_ARCH__)
-  float4 q;
-  q.x = x0; q.y = x1; q.z = x2; q.w = x3;
-  *reinterpret_cast<float4*>(p) = q;
-#else
-  p[0] = x0; p[1] = x1; p[2] = x2; p[3] = x3;
-#endif
-}
-FS_HD void store4(double* p, double x0, double x1, double x2, double x3) {
-#if defined(__CUDA_ARCH__)
-  double2 q0, q1;
-  q0.x = x0; q0.y = x1; q1.x = x2; q1.y = x3;
-  reinterpret_cast<double2*>(p)[0] = q0;
-  reinterpret_cast<double2*>(p)[1] = q1;
-#else
-  p[0] = x0; p[1] = x1; p[2] = x2; p[3] = x3;
-#endif
-}
-
 // The rank-2 update of one element, a -= u_r w_c + w_r u_c: the expression of eig_core.h's
 // update_trailing and update_column, used for every element here.
 template <class Real> FS_HD Real upd(Real a, Real ur, Real wr, Real uc, Real wc) {

@@ -115,27 +115,6 @@ FS_HD constexpr int64_t regs_smem_elems(int n) { return 2 * round_up4(n) + regs_
 static_assert(2 * kRegsMaxN / 32 * 32 <= kMaxThreads, "regs: the team of n = kRegsMaxN exceeds FS_MAX_THREADS");
 static_assert(regs_half(kRegsMaxN) <= kRegsRows, "regs: a half holds at most kRegsRows rows");
 
-// Four consecutive entries of a team-shared vector, p 16-byte aligned: one 128-bit store (fp32).
-FS_HD void regs_store4(float* p, float x0, float x1, float x2, float x3) {
-#if defined(__CUDA_ARCH__)
-  float4 q;
-  q.x = x0; q.y = x1; q.z = x2; q.w = x3;
-  *reinterpret_cast<float4*>(p) = q;
-#else
-  p[0] = x0; p[1] = x1; p[2] = x2; p[3] = x3;
-#endif
-}
-FS_HD void regs_store4(double* p, double x0, double x1, double x2, double x3) {
-#if defined(__CUDA_ARCH__)
-  double2 q0, q1;
-  q0.x = x0; q0.y = x1; q1.x = x2; q1.y = x3;
-  reinterpret_cast<double2*>(p)[0] = q0;
-  reinterpret_cast<double2*>(p)[1] = q1;
-#else
-  p[0] = x0; p[1] = x1; p[2] = x2; p[3] = x3;
-#endif
-}
-
 // Square root and reciprocal of the reflector: on the device one MUFU each (sqrt.approx, which
 // takes a subnormal nrm2 too; rcp.approx.ftz, whose arguments beta and alpha - beta are at least
 // sqrt(nrm2) >= 2^-74.5 in magnitude, normal), within 1-2 ulp and without the IEEE slow paths;
@@ -252,21 +231,8 @@ FS_HD void regs_eigenvalues(const Team& team, int n, const Real* d, const Real* 
   for (int g = 1 + t; g < kGrid; g += team.size())
     counts[g] = Real(regs_count(pairs, d0, n, grid_point(lo, hi, g)));
   FS_SYNC(team);
-  const int max_iter = 2 * (sizeof(Real) * 8 + 16);  // 2 + log2((hi - lo) / tol) suffice
-  for (int k = t; k < n; k += team.size()) {  // k-th smallest eigenvalue
-    int glo = 0, ghi = kGrid;
-    while (ghi - glo > 1) {
-      const int g = (glo + ghi) >> 1;
-      if (counts[g] > Real(k)) ghi = g; else glo = g;
-    }
-    Real a = grid_point(lo, hi, glo), b = grid_point(lo, hi, ghi);
-    for (int it = 0; it < max_iter && b - a > tol; ++it) {
-      const Real mid = a + Real(0.5) * (b - a);
-      if (!(mid > a && mid < b)) break;  // down to adjacent floats
-      if (regs_count(pairs, d0, n, mid) > k) b = mid; else a = mid;
-    }
-    lam[k] = a + Real(0.5) * (b - a);
-  }
+  for (int k = t; k < n; k += team.size())  // k-th smallest eigenvalue (eig_core.h's bisection)
+    lam[k] = bisect_from_grid(k, counts, lo, hi, tol, [&](Real x) { return regs_count(pairs, d0, n, x); });
   FS_SYNC(team);
   // ascending already (the usual case: a scan of lam, ~5 instructions per entry and warp) or a
   // rank sort (rounding may swap neighbours): position = #smaller + #equal before k
@@ -314,8 +280,8 @@ FS_PRAGMA(unroll)
 template <int K, class Real>
 FS_HD void regs_publish(const Real (&a)[kRegsRows], Real* C, int row0, int H) {
   if (K * kRegsChunk < H) {
-    regs_store4(C + row0 + K * kRegsChunk, a[8 * K], a[8 * K + 1], a[8 * K + 2], a[8 * K + 3]);
-    regs_store4(C + row0 + K * kRegsChunk + 4, a[8 * K + 4], a[8 * K + 5], a[8 * K + 6], a[8 * K + 7]);
+    store4(C + row0 + K * kRegsChunk, a[8 * K], a[8 * K + 1], a[8 * K + 2], a[8 * K + 3]);
+    store4(C + row0 + K * kRegsChunk + 4, a[8 * K + 4], a[8 * K + 5], a[8 * K + 6], a[8 * K + 7]);
   }
 }
 

@@ -92,17 +92,14 @@ FS_HD constexpr int split_threads(int n) { return 2 * split_cols(n); }
 // counts; [2T, 6T) the two sweeps' counts of every thread (double-buffered by sweep parity).
 FS_HD constexpr int64_t split_smem_elems(int n) { return block_work_elems(n, true) + 6 * split_cols(n); }
 
-// One step of the Sturm recurrence q' = (d - x) - e2 / q, with the pivmin guard of sturm_count.
+// One step of the Sturm recurrence q' = (d - x) - e2 / q, for eig_core.h's sturm_count.
 // float: eig_core.h's (MUFU reciprocal and a multiply). double: no IEEE division (a MUFU.RCP64H
 // seed r0 with ~20 good bits, then e = 1 - q r0 and q' = (t - g) - g (e + e^2) with g = e2 r0,
 // i.e. e2 / q to a relative 3 e^3 + O(eps)): the dependent chain is MUFU, 3 DFMA, the guard,
 // instead of the division's MUFU + ~7 DFMA + a slow-path check. Backward stable like the exact
 // form: every rounding is a relative perturbation of e2 or of t = d - x of a few ulps.
 template <class Real> struct SplitSturm;
-template <> struct SplitSturm<float> {
-  static FS_HD float step(float q, float e2, float t) { return t - Num<float>::sturm_div(e2, q); }
-  static FS_HD int negative(float q) { return Num<float>::negative(q); }
-};
+template <> struct SplitSturm<float> : SturmStep<float> {};
 template <> struct SplitSturm<double> {
   static FS_HD double rcp_seed(double q) {
 #if defined(__CUDA_ARCH__)
@@ -138,25 +135,6 @@ template <> struct SplitSturm<double> {
   }
 };
 
-template <class Real>
-FS_HD int split_sturm_count(const Real* te, int n, Real x, Real pivmin) {
-  Real q = te[1] - x;
-  q = Num<Real>::abs_(q) <= pivmin ? -pivmin : q;
-  int count = SplitSturm<Real>::negative(q);
-  for (int i = 1; i < n; ++i) {
-    Real e2, d;
-    load2(te + 2 * i, e2, d);
-    q = SplitSturm<Real>::step(q, e2, d - x);
-    q = Num<Real>::abs_(q) <= pivmin ? -pivmin : q;  // never 0 or NaN after this
-    count += SplitSturm<Real>::negative(q);
-  }
-  return count;
-}
-
-template <class Real> FS_HD Real split_grid_point(Real lo, Real hi, int g, int cells) {
-  return g == cells ? hi : lo + (hi - lo) * (Real(g) * (Real(1) / cells));
-}
-
 template <class Team, class Real>
 FS_HD void split_eigvalsh_one(const Team& team, const Real* in, int64_t sr, int64_t sc, int n, Real* out, Real* smem) {
   const Work<Real> wk = block_work(smem, static_cast<Real*>(nullptr), n);
@@ -166,34 +144,7 @@ FS_HD void split_eigvalsh_one(const Team& team, const Real* in, int64_t sr, int6
   const int T = split_cols(n), t = team.rank(), size = team.size(), col = t % T, half = t / T;
 
   // 1. load + mirror: member (col, half) reads column col, every other batch of 8 rows
-  Real amax = 0;
-  {
-    constexpr int kBatch = 8;
-    Real local = 0;
-    for (int c = col; c < n; c += T) {
-      const int rstart = (c & ~31) + kBatch * half;
-      for (int r0 = rstart; r0 < n; r0 += 2 * kBatch) {
-        const Real* src = in + static_cast<int64_t>(r0) * sr + static_cast<int64_t>(c) * sc;
-        Real x[kBatch];
-FS_PRAGMA(unroll)
-        for (int k = 0; k < kBatch; ++k) {
-          const int r = r0 + k;
-          x[k] = (r >= c && r < n) ? src[k * sr] : Real(0);
-        }
-FS_PRAGMA(unroll)
-        for (int k = 0; k < kBatch; ++k) {
-          const int r = r0 + k;
-          if (r >= c && r < n) {
-            a[r * rs + c] = x[k];
-            a[c * rs + r] = x[k];
-            const Real ax = Num<Real>::abs_(x[k]);
-            local = (ax <= Num<Real>::huge()) ? (ax > local ? ax : local) : INFINITY;  // NaN fails <=
-          }
-        }
-      }
-    }
-    amax = team.max(local);
-  }
+  const Real amax = team.max(load_lower_part(in, sr, sc, n, wk, col, T, half, 2));
   if (!(amax <= Num<Real>::huge()) || amax == 0) {  // uniform: amax is team-wide
     const Real fill = amax == 0 ? Real(0) : Num<Real>::nan_();
     for (int i = t; i < n; i += size) out[i] = fill;
@@ -258,44 +209,14 @@ FS_PRAGMA(unroll)
     FS_SYNC(team);  // u2, w visible
     // (c) reflector j-1's rank-2 update of columns > j, fused with reflector j's partial p: member
     // (col, half) walks half of the rows of column j + 1 + col (a warp: 32 consecutive columns
-    // of one half, conflict free); four rows per step (update_trailing's loop).
+    // of one half, conflict free); eig_core.h's update_rows, four rows per step.
     local_pu = 0;
     const int c = r1 + col;
     if (c < n) {
       const int r4 = j & ~3;
       const int mid = r4 + (((n - r4) / 2 + 3) & ~3);
       const int rb = half ? mid : r4, re = half ? n : (mid < n ? mid : n);
-      const Real uc = u[c], wc = w[c];
-      Real s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-      Real* pa = a + rb * rs + c;
-      int r = rb;
-FS_PRAGMA(unroll 2)
-      for (; r + 3 < re; r += 4, pa += 4 * rs) {
-        Real u0, u1, uu2, u3, w0, w1, w2, w3, x0, x1, x2, x3;
-        load4(u + r, u0, u1, uu2, u3);
-        load4(w + r, w0, w1, w2, w3);
-        load4(u2 + r, x0, x1, x2, x3);
-        Real a0 = pa[0], a1 = pa[rs], a2 = pa[2 * rs], a3 = pa[3 * rs];
-        a0 = Num<Real>::fma_(-w0, uc, Num<Real>::fma_(-u0, wc, a0));
-        a1 = Num<Real>::fma_(-w1, uc, Num<Real>::fma_(-u1, wc, a1));
-        a2 = Num<Real>::fma_(-w2, uc, Num<Real>::fma_(-uu2, wc, a2));
-        a3 = Num<Real>::fma_(-w3, uc, Num<Real>::fma_(-u3, wc, a3));
-        s0 += a0 * x0;
-        s1 += a1 * x1;
-        s2 += a2 * x2;
-        s3 += a3 * x3;
-        pa[0] = a0;
-        pa[rs] = a1;
-        pa[2 * rs] = a2;
-        pa[3 * rs] = a3;
-      }
-FS_PRAGMA(unroll 1)
-      for (; r < re; ++r) {  // < 4 rows
-        const Real x = Num<Real>::fma_(-w[r], uc, Num<Real>::fma_(-u[r], wc, a[r * rs + c]));
-        s0 += x * u2[r];
-        a[r * rs + c] = x;
-      }
-      const Real part = tau2 * ((s0 + s1) + (s2 + s3));
+      const Real part = tau2 * update_rows<true>(wk, c, rb, re, u, w, u2);
       (half ? Q : P)[c] = part;
       local_pu = part * u2[c];
     }
@@ -314,32 +235,16 @@ FS_PRAGMA(unroll 1)
   FS_SYNC(team);  // d, e complete
 
   // 4. eigenvalues of T: (e^2, d) pairs in v..w, eigenvalues in v2, counts in extra
-  const Real eps = Num<Real>::eps();
   Real* const te = wk.v;
   Real* const lam = wk.v2;
   Real* const gcount = extra;           // [1, G): counts at the grid's interior points
   Real* const scount = extra + 2 * T;   // [2T) per sweep parity: each member's count
-  for (int i = t; i < n; i += size) {
-    te[2 * i] = i > 0 ? wk.e[i - 1] * wk.e[i - 1] : Real(0);
-    te[2 * i + 1] = wk.d[i];
-  }
-  Real lo = wk.d[0], hi = wk.d[0], e2max = 0;
-  for (int i = 0; i < n; ++i) {
-    const Real radius = (i > 0 ? Num<Real>::abs_(wk.e[i - 1]) : Real(0)) +
-                        (i + 1 < n ? Num<Real>::abs_(wk.e[i]) : Real(0));
-    lo = (wk.d[i] - radius < lo) ? wk.d[i] - radius : lo;
-    hi = (wk.d[i] + radius > hi) ? wk.d[i] + radius : hi;
-    if (i + 1 < n && wk.e[i] * wk.e[i] > e2max) e2max = wk.e[i] * wk.e[i];
-  }
-  const Real pivmin = Num<Real>::tiny() * (e2max > 1 ? e2max : Real(1));
-  const Real tnorm = Num<Real>::abs_(lo) > Num<Real>::abs_(hi) ? Num<Real>::abs_(lo) : Num<Real>::abs_(hi);
-  const Real widen = Real(2.1) * (tnorm * eps * n + 2 * pivmin);  // xSTEBZ's safety margin
-  lo -= widen;
-  hi += widen;
-  const Real tol = eps * tnorm;
+  sturm_pairs(team, wk.d, wk.e, n, te);
+  const Bracket<Real> br = gerschgorin(wk.d, wk.e, n);
+  const Real lo = br.lo, hi = br.hi, pivmin = br.pivmin, tol = br.tol;
   const int cells = size;  // G = 2T grid cells: one count per member
   FS_SYNC(team);  // te complete
-  if (t + 1 < cells) gcount[t + 1] = Real(split_sturm_count(te, n, split_grid_point(lo, hi, t + 1, cells), pivmin));
+  if (t + 1 < cells) gcount[t + 1] = Real(sturm_count<Real, SplitSturm<Real>>(te, n, grid_point(lo, hi, t + 1, cells), pivmin));
   FS_SYNC(team);  // grid counts complete
   // member (k, half) = (col, half): eigenvalue k, the interior point half of each trisection
   const int k = col;
@@ -350,8 +255,8 @@ FS_PRAGMA(unroll 1)
       const int g = (glo + ghi) >> 1;
       if (gcount[g] > Real(k)) ghi = g; else glo = g;
     }
-    lb = split_grid_point(lo, hi, glo, cells);
-    ub = split_grid_point(lo, hi, ghi, cells);
+    lb = grid_point(lo, hi, glo, cells);
+    ub = grid_point(lo, hi, ghi, cells);
   }
   // sweeps: the same number on every member (the barrier inside is uniform), enough for a grid
   // cell to shrink to tol by thirds; a converged eigenvalue skips its counts
@@ -363,7 +268,7 @@ FS_PRAGMA(unroll 1)
     const Real x1 = lb + third, x2 = ub - third;
     const bool active = k < n && ub - lb > tol && lb < x1 && x1 < x2 && x2 < ub;  // same on both halves
     Real* const cnt = scount + (s & 1) * (2 * T);
-    if (active) cnt[t] = Real(split_sturm_count(te, n, half ? x2 : x1, pivmin));
+    if (active) cnt[t] = Real(sturm_count<Real, SplitSturm<Real>>(te, n, half ? x2 : x1, pivmin));
     FS_SYNC(team);  // both counts of every pair
     if (active) {
       const Real c1 = cnt[k], c2 = cnt[T + k];
