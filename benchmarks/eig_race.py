@@ -1,7 +1,7 @@
 """The eigensolver race: every algorithm of the CUDA kernel on the same batches, timed and checked,
 and the selection-table rows that the measurement says to commit.
 
-    python benchmarks/eig_race.py --json OUT/race.json [--time-limit S] [--dry-run]
+    python benchmarks/eig_race.py --json OUT/race.json [--time-limit S] [--dry-run [--real-n]]
     python benchmarks/eig_race.py --merge OUT/race.json     # its rows into fastspec/eig/selection.json
 
 Per shape of :data:`SHAPES` (the kernel's target 4096 x 128² float32, the probe's float64 keys
@@ -27,7 +27,10 @@ keeps what it finished.
 ``--dry-run``: CPU at tiny sizes, so this file cannot rot where no GPU exists (CI runs it). Each
 algorithm runs as the team emulation (``fastspec.eig._host.team_eigvalsh_*``: its own code, on
 host threads) and its time is the emulation's: a stand-in, labelled as such in the JSON, that says
-nothing about GPU speed. The dry run's rows are marked ``dry_run`` and cannot be merged.
+nothing about GPU speed. The dry run's rows are marked ``dry_run`` and cannot be merged. With
+``--real-n`` the dry run keeps each shape's own n (batches of 2, a battery of 4 per family):
+slow (minutes), but its accuracy columns are the algorithms' own on the hard battery, the GPU
+aside (the emulation runs the same code; the GPU's approximate reciprocals are modelled).
 """
 from __future__ import annotations
 
@@ -80,8 +83,8 @@ DRY = {128: 20, 256: 30, 64: 12}  # the dry run's n for each shape's n (one warp
 DRY_BATCH = 2
 
 
-def dry_shape(s: Shape) -> Shape:
-    return Shape(s.name + "-dry", s.dtype, DRY[s.n], DRY_BATCH, s.n_range, s.batch_range, s.why)
+def dry_shape(s: Shape, real_n: bool = False) -> Shape:
+    return Shape(s.name + "-dry", s.dtype, s.n if real_n else DRY[s.n], DRY_BATCH, s.n_range, s.batch_range, s.why)
 
 
 # ------------------------------------------------------------------------------------ solving
@@ -175,7 +178,8 @@ class Battery:
 
 
 # ------------------------------------------------------------------------------------ the race
-def race_shape(shape: Shape, device: torch.device, spec, dry: bool, deadline: float | None) -> dict:
+def race_shape(shape: Shape, device: torch.device, spec, dry: bool, deadline: float | None,
+               battery_batch: int = BATTERY_BATCH) -> dict:
     from fastspec.bench.suites.eigvalsh import powerlaw_gram
     from fastspec.bench.timing import measure_interleaved
 
@@ -185,7 +189,7 @@ def race_shape(shape: Shape, device: torch.device, spec, dry: bool, deadline: fl
     k = min(shape.batch, REF_MATRICES)
     ref = torch.linalg.eigvalsh(A[:k].double().cpu())
     torch_err = _rel_err(torch.linalg.eigvalsh(A[:k].cpu()), ref)
-    hard = Battery.make(shape.n, dtype, 1 if dry else BATTERY_BATCH)
+    hard = Battery.make(shape.n, dtype, battery_batch)
     solves = {name: solver(name, dry) for name in names}
     for name, solve in solves.items():  # compile and load before the clock (the kit's kernels step did most)
         solve(A[:1])
@@ -216,7 +220,7 @@ def table_row(result: dict, shape: Shape, arch: int, device_name: str, date: str
                          **({"dry_run": True} if dry else {})}}
 
 
-def run(json_path: Path, time_limit: float | None, dry: bool) -> int:
+def run(json_path: Path, time_limit: float | None, dry: bool, real_n: bool = False) -> int:
     from fastspec.eig import cuda
     from fastspec.sysinfo import environment
 
@@ -236,7 +240,7 @@ def run(json_path: Path, time_limit: float | None, dry: bool) -> int:
     doc = {"schema": SCHEMA, "kind": "eig-race", "date": date, "dry_run": dry, "environment": environment(),
            "timing": ("cpu stand-in: the team emulation on host threads, not a GPU time (says nothing about GPU "
                       "speed)" if dry else "CUDA events, median of 10 round-robin rounds after 2 warm-up rounds"),
-           "results": [], "rows": [], "not_run": []}
+           "sizes": "real" if real_n or not dry else "tiny", "results": [], "rows": [], "not_run": []}
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
 
@@ -248,13 +252,13 @@ def run(json_path: Path, time_limit: float | None, dry: bool) -> int:
     json_path.parent.mkdir(parents=True, exist_ok=True)
     write()
     for shape in SHAPES:
-        s = dry_shape(shape) if dry else shape
+        s = dry_shape(shape, real_n) if dry else shape
         if stop or (deadline is not None and time.monotonic() > deadline):
             doc["not_run"].append(s.name)
             print(f"{s.name}: not run (time limit)", flush=True)
             continue
         t0 = time.monotonic()
-        res = race_shape(s, device, spec, dry, deadline)
+        res = race_shape(s, device, spec, dry, deadline, (4 if real_n else 1) if dry else BATTERY_BATCH)
         doc["results"].append(res)
         row = table_row(res, shape, arch, device_name, date, dry)
         if row is not None:
@@ -263,6 +267,7 @@ def run(json_path: Path, time_limit: float | None, dry: bool) -> int:
         times = "  ".join(f"{n} {a['ms']:.3f} ms{'' if a['ok'] else ' (FAILS accuracy)'}"
                           for n, a in sorted(res["algorithms"].items(), key=lambda kv: kv[1]["ms"]))
         print(f"{s.name}: winner {res['winner']}  {times}  [{time.monotonic() - t0:.1f}s]", flush=True)
+    write()  # the shapes not run, too
     failed = [(r["shape"], n) for r in doc["results"] for n, a in r["algorithms"].items() if not a["ok"]]
     for shape_name, name in failed:
         print(f"accuracy: {name} fails the bound on {shape_name}", flush=True)
@@ -301,13 +306,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="result file (rewritten after every shape)")
     p.add_argument("--time-limit", type=float, default=None, metavar="S", help="no new shape after S seconds")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, the team emulation as a stand-in")
+    p.add_argument("--real-n", action="store_true", help="dry run at each shape's own n (slow; real accuracy)")
     p.add_argument("--merge", type=Path, metavar="RACE_JSON", help="merge a race's rows into the selection table")
     args = p.parse_args(argv)
     if args.merge is not None:
         return merge(args.merge)
     if args.json is None:
         p.error("--json FILE is required (or --merge RACE_JSON)")
-    return run(args.json, args.time_limit, args.dry_run)
+    if args.real_n and not args.dry_run:
+        p.error("--real-n: only with --dry-run (a GPU run always uses the real sizes)")
+    return run(args.json, args.time_limit, args.dry_run, args.real_n)
 
 
 if __name__ == "__main__":

@@ -158,9 +158,9 @@ def test_sass_reflector_loop_at_n128(sass_of):
     fall-through switch picks the first (~31 instructions, ~3.9 per element), no shared access to
     a matrix element; around them ONE team sum, one FS_SYNC, the reflector by MUFU (one
     sqrt.approx, two rcp.approx: no IEEE-division or sqrt slow path, no CALL), w and the next
-    column. NVRTC 13 gives 515 instructions in the loop body (every path), 200 FFMA, 63 LDS (48
-    LDS.128 in the chunks, 2 for the fold of the warp totals), 23 STS (16 STS.128 of the column
-    publication), 3 MUFU, 2 BAR."""
+    column. NVRTC 13.5 gives 515 instructions in the loop body (every path; 13.0: 535), 200 FFMA,
+    63 LDS (48 LDS.128 in the chunks, 2 for the fold of the warp totals), 23 STS (16 STS.128 of the
+    column publication), 3 MUFU, 2 BAR."""
     _, _, k, _ = sass_of(128)
     lp = _reflector_loop(k)
     assert lp.ops["FFMA"] >= 8 * 24 and lp.ops["FFMA"] <= 205, lp.ops
@@ -168,7 +168,7 @@ def test_sass_reflector_loop_at_n128(sass_of):
     assert lp.ops["STS"] <= 25 and lp.full_ops["STS.128"] == 16, lp.full_ops
     assert lp.ops["BAR"] == 2, lp.ops  # the team sum and the FS_SYNC
     assert lp.ops["MUFU"] == 3 and lp.ops["FCHK"] == 0 and lp.ops["CALL"] == 0, lp.full_ops
-    assert lp.size <= 525, (lp.size, lp.ops)
+    assert lp.size <= 545, (lp.size, lp.ops)
 
 
 def test_sass_sturm_loop_is_the_ieee_count(sass_of):

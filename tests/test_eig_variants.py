@@ -182,7 +182,7 @@ def test_info_shows_the_choice_per_problem(monkeypatch, capsys):
 
     assert main(["info"]) == 0
     out = capsys.readouterr().out
-    assert "   variant: the algorithm per problem on " in out
+    assert "   variant: the kernel's algorithm per problem on sm_90 (no GPU here) (" in out
     for dtype, n, batch in cuda.SHOWN:
         assert f"{dtype} n {n:<3} x{batch:<5} " in out
     monkeypatch.setenv(variants.ENV, "nope")
@@ -251,3 +251,11 @@ def test_race_dry_run_of_one_shape_checks_every_algorithm(tmp_path, monkeypatch)
         assert a["ok"] and a["battery"]["worst_ratio"] <= 1 and a["rel_err"] < 1e-5
     (row,) = doc["rows"]
     assert row["measured"]["dry_run"] is True and row["algo"] == res["winner"]
+
+
+def test_race_past_its_time_limit_records_the_shapes_not_run(tmp_path, capsys):
+    race = _race()
+    assert race.main(["--dry-run", "--time-limit", "0", "--json", str(tmp_path / "race.json")]) == 0
+    doc = json.loads((tmp_path / "race.json").read_text())
+    assert doc["results"] == [] and doc["not_run"] == [race.dry_shape(s).name for s in race.SHAPES]
+    assert "B4096-n128-fp32-dry: not run (time limit)" in capsys.readouterr().out

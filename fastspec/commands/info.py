@@ -41,8 +41,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'cache':>10}: {k['cache']} ({'writable' if k['cache_writable'] else 'NOT writable'}, "
           f"{k['cached_kernels']} kernels; FASTSPEC_CACHE moves it)")
     sel = info["eigvalsh_variants"]
-    where = "this GPU" if sel["gpu"] else "no GPU here: as on"
-    print(f"{'variant':>10}: the algorithm per problem on {where} sm_{sel['arch']} "
+    where = f"this GPU (sm_{sel['arch']})" if sel["gpu"] else f"sm_{sel['arch']} (no GPU here)"
+    print(f"{'variant':>10}: the kernel's algorithm per problem on {where} "
           f"({sel.get('rows', '?')} measured rows in {sel['table']}; {variants_hint(sel['override'])})")
     if "error" in sel:
         print(f"{'':>10}  error: {sel['error']}")
