@@ -25,7 +25,7 @@ run's rows. The JSON is rewritten after every shape: a run stopped by its time l
 keeps what it finished.
 
 ``--dry-run``: CPU at tiny sizes, so this file cannot rot where no GPU exists (CI runs it). Each
-algorithm runs as the team emulation (``fastspec.eig._host.team_eigvalsh_*``: its own code, on
+algorithm runs as the team emulation (``fastspec.eig.native.team_eigvalsh``: its own code, on
 host threads) and its time is the emulation's: a stand-in, labelled as such in the JSON, that says
 nothing about GPU speed. The dry run's rows are marked ``dry_run`` and cannot be merged. With
 ``--real-n`` the dry run keeps each shape's own n (batches of 2, a battery of 4 per family):
@@ -88,22 +88,12 @@ def dry_shape(s: Shape, real_n: bool = False) -> Shape:
 
 
 # ------------------------------------------------------------------------------------ solving
-def _team(A: torch.Tensor, algo: str) -> torch.Tensor:
-    """The team emulation of ``algo`` on CPU ``A: [B, n, n]`` (the dry run's solver)."""
-    from fastspec.eig import _host
-
-    A = A.contiguous()
-    B, n = A.shape[0], A.shape[-1]
-    out = torch.empty(B, n, dtype=A.dtype)
-    f = _host.team_eigvalsh_f32 if A.dtype == torch.float32 else _host.team_eigvalsh_f64
-    f(A.data_ptr(), out.data_ptr(), B, n, n * n, n, 1, n, algo=_host.ALGOS[algo])
-    return out
-
-
 def solver(algo: str, dry: bool):
     """``A -> eigenvalues`` by algorithm ``algo``: the CUDA kernel forced to it, or its emulation."""
     if dry:
-        return lambda A: _team(A, algo)
+        from fastspec.eig.native import team_eigvalsh
+
+        return lambda A: team_eigvalsh(A, algo)[0]
     from fastspec.eig import cuda
 
     def solve(A: torch.Tensor) -> torch.Tensor:
@@ -133,13 +123,6 @@ def candidates(shape: Shape, spec) -> tuple[list[str], dict[str, str]]:
 
 
 # ------------------------------------------------------------------------------------ accuracy
-def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    """``max`` over matrices of ``max_i |λ_i − λ_i^ref| / max_i |λ_i^ref|``."""
-    d = (ours.double().cpu() - ref).abs().amax(-1)
-    scale = ref.abs().amax(-1).clamp_min(torch.finfo(torch.float64).tiny)
-    return float((d / scale).max())
-
-
 @dataclass
 class Battery:
     """The hard battery at one ``n`` and dtype: every family's matrices, their float64 LAPACK
@@ -180,6 +163,7 @@ class Battery:
 # ------------------------------------------------------------------------------------ the race
 def race_shape(shape: Shape, device: torch.device, spec, dry: bool, deadline: float | None,
                battery_batch: int = BATTERY_BATCH) -> dict:
+    from fastspec.bench.case import max_rel_err
     from fastspec.bench.suites.eigvalsh import powerlaw_gram
     from fastspec.bench.timing import measure_interleaved
 
@@ -188,7 +172,7 @@ def race_shape(shape: Shape, device: torch.device, spec, dry: bool, deadline: fl
     A = powerlaw_gram(shape.batch, shape.n, device, dtype)
     k = min(shape.batch, REF_MATRICES)
     ref = torch.linalg.eigvalsh(A[:k].double().cpu())
-    torch_err = _rel_err(torch.linalg.eigvalsh(A[:k].cpu()), ref)
+    torch_err = max_rel_err(torch.linalg.eigvalsh(A[:k].cpu()), ref)
     hard = Battery.make(shape.n, dtype, battery_batch)
     solves = {name: solver(name, dry) for name in names}
     for name, solve in solves.items():  # compile and load before the clock (the kit's kernels step did most)
@@ -199,7 +183,7 @@ def race_shape(shape: Shape, device: torch.device, spec, dry: bool, deadline: fl
     out = {"shape": shape.name, "dtype": shape.dtype, "n": shape.n, "batch": shape.batch, "why": shape.why,
            "torch_rel_err": torch_err, "not_raced": why_not, "algorithms": {}}
     for (name, solve), t in zip(solves.items(), timings):
-        err = _rel_err(solve(A[:k]), ref)
+        err = max_rel_err(solve(A[:k]).cpu(), ref)
         bat = hard.check(solve, device)
         out["algorithms"][name] = {"ms": t.median * 1e3, "ms_min": t.min * 1e3, "ms_max": t.max * 1e3,
                                    "repeats": t.repeats, "us_per_matrix": t.median * 1e6 / shape.batch,

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastspec.eig import nvrtc
+from fastspec.eig import native, nvrtc
 
 EPS32 = float(np.finfo(np.float32).eps)
 EPS64 = float(np.finfo(np.float64).eps)
@@ -42,28 +42,34 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
-def host_module():
-    from fastspec.eig import _host  # the callers skip when it is not built
+HARD_FAMILIES = ("indefinite", "graded-1e-8", "four-clusters", "rank-deficient", "wilkinson", "gram-activations",
+                 "spd-1e30")
+"""The families of :data:`fastspec.eig.matrices.FAMILIES` every candidate algorithm's battery runs."""
 
-    return _host
 
+def battery_cases(sizes, slow, families=HARD_FAMILIES, dtypes=None) -> list:
+    """The parameters of an emulation battery: ``(family, n)`` for every family and size, or
+    ``(family, n, dtype)`` for every dtype too, with ids ``family-nN[-dtype]``; ``slow(family, n[,
+    dtype])`` true marks a case for the full tier (``pytest --full``)."""
+    from fastspec.eig.matrices import FAMILIES
 
-def algo_id(name: str) -> int:
-    return host_module().ALGOS[name]
+    unknown = [f for f in families if f not in FAMILIES]
+    assert not unknown, f"no such matrix families: {unknown}"
+    out = []
+    for family in families:
+        for n in sizes:
+            for dt in (None,) if dtypes is None else dtypes:
+                args = (family, n) if dt is None else (family, n, dt)
+                out.append(pytest.param(*args, id="-".join([family, f"n{n}", *([dt] if dt else [])]),
+                                        marks=pytest.mark.slow if slow(*args) else ()))
+    return out
 
 
 def team(A: torch.Tensor, algo: str = "block", schedule: int = CONCURRENT, drop: int = -1
          ) -> tuple[torch.Tensor, list[int]]:
-    """Eigenvalues of ``A: [B, n, n]`` by algorithm ``algo`` on host threads; with the source line
-    of every ``FS_SYNC`` barrier passed, in order. ``drop``: the index (in that list) of the
-    barrier every thread leaves out."""
-    A = A.contiguous()
-    B, n = A.shape[0], A.shape[-1]
-    out = torch.empty(B, n, dtype=A.dtype)
-    h = host_module()
-    f = h.team_eigvalsh_f32 if A.dtype == torch.float32 else h.team_eigvalsh_f64
-    sites = f(A.data_ptr(), out.data_ptr(), B, n, n * n, n, 1, n, algo=algo_id(algo), schedule=schedule, drop=drop)
-    return out, sites
+    """Eigenvalues of ``A: [B, n, n]`` by algorithm ``algo`` on host threads, with the site of
+    every ``FS_SYNC`` barrier passed, in order (:func:`fastspec.eig.native.team_eigvalsh`)."""
+    return native.team_eigvalsh(A, algo, schedule, drop)
 
 
 def reference(A: torch.Tensor) -> torch.Tensor:

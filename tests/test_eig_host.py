@@ -153,12 +153,9 @@ def team(A: torch.Tensor, schedule: int = _eig_team.CONCURRENT) -> torch.Tensor:
 def _battery() -> list:
     """Every family at every n; the fast tier leaves out n = 128 and three families at n = 100
     (about 2 s each: the four-warp team at n = 100 is still checked on two families)."""
-    out = []
-    for family in ["indefinite", "graded-1e-8", "four-clusters", "rank-deficient", "wilkinson"]:
-        for n in [2, 5, 17, 33, 100, 128]:
-            slow = n == 128 or (n == 100 and family not in ("indefinite", "wilkinson"))
-            out.append(pytest.param(family, n, id=f"{family}-n{n}", marks=pytest.mark.slow if slow else ()))
-    return out
+    return _eig_team.battery_cases(
+        [2, 5, 17, 33, 100, 128], lambda family, n: n == 128 or (n == 100 and family not in ("indefinite", "wilkinson")),
+        families=("indefinite", "graded-1e-8", "four-clusters", "rank-deficient", "wilkinson"))
 
 
 @pytest.mark.parametrize("family, n", _battery())

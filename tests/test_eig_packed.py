@@ -31,18 +31,17 @@ from _eig_team import (
     assert_barriers_needed,
     assert_fp64_close,
     assert_within_torch_error,
+    battery_cases,
     one_torch_thread,  # noqa: F401 - an autouse fixture: one torch thread
     team,
 )
 
 from fastspec.eig import variants
-from fastspec.eig.matrices import FAMILIES, make_batch
+from fastspec.eig.matrices import make_batch
 
 pytestmark = _eig_team.NO_EXT
 
 ALGO = "packed"
-FAMILY_SET = [f for f in ("indefinite", "graded-1e-8", "four-clusters", "rank-deficient", "wilkinson",
-                          "gram-activations", "spd-1e30") if f in FAMILIES]
 
 
 def packed(A: torch.Tensor, schedule: int = CONCURRENT) -> torch.Tensor:
@@ -66,12 +65,8 @@ def _battery() -> list:
     """Every family at every n, one serial order besides the free-running one. The fast tier leaves
     out n = 128 and 256 (~3 s and ~13 s a case on 2 cores) and n = 100 for all but two families;
     test_fp32_n256 keeps the largest size in it."""
-    out = []
-    for family in FAMILY_SET:
-        for n in [1, 2, 3, 5, 17, 33, 70, 100, 128, 256]:
-            slow = n >= 128 or (n == 100 and family not in ("indefinite", "wilkinson"))
-            out.append(pytest.param(family, n, id=f"{family}-n{n}", marks=pytest.mark.slow if slow else ()))
-    return out
+    return battery_cases([1, 2, 3, 5, 17, 33, 70, 100, 128, 256],
+                         lambda family, n: n >= 128 or (n == 100 and family not in ("indefinite", "wilkinson")))
 
 
 @pytest.mark.parametrize("family, n", _battery())

@@ -21,11 +21,12 @@ from _eig_team import (
     CONCURRENT,
     assert_barriers_needed,
     assert_within_torch_error,
+    battery_cases,
     one_torch_thread,  # noqa: F401 - an autouse fixture: one torch thread
     team,
 )
 
-from fastspec.eig.matrices import FAMILIES, make_batch
+from fastspec.eig.matrices import make_batch
 
 pytestmark = _eig_team.NO_EXT
 
@@ -34,18 +35,12 @@ def regs(A: torch.Tensor, schedule: int = CONCURRENT) -> torch.Tensor:
     return team(A, "regs", schedule)[0]
 
 
-FAMILY_LIST = [f for f in ("indefinite", "graded-1e-8", "four-clusters", "rank-deficient", "wilkinson",
-                           "gram-activations", "spd-1e30") if f in FAMILIES]
 FAST_128 = ("indefinite", "gram-activations")  # n = 128 in the fast tier (1.7 s each)
 
 
 def _battery() -> list:
-    out = []
-    for family in FAMILY_LIST:
-        for n in (1, 2, 3, 5, 17, 33, 100, 128):
-            slow = n == 100 or (n == 128 and family not in FAST_128)
-            out.append(pytest.param(family, n, id=f"{family}-n{n}", marks=pytest.mark.slow if slow else ()))
-    return out
+    return battery_cases([1, 2, 3, 5, 17, 33, 100, 128],
+                         lambda family, n: n == 100 or (n == 128 and family not in FAST_128))
 
 
 @pytest.mark.parametrize("family, n", _battery())

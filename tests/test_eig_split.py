@@ -20,6 +20,7 @@ from _eig_team import (
     assert_barriers_needed,
     assert_fp64_close,
     assert_within_torch_error,
+    battery_cases,
     one_torch_thread,  # noqa: F401 - an autouse fixture: one torch thread
     team,
 )
@@ -28,8 +29,6 @@ from fastspec.eig.matrices import make_batch
 
 pytestmark = _eig_team.NO_EXT
 
-FAMILIES = ["indefinite", "graded-1e-8", "four-clusters", "rank-deficient", "wilkinson", "gram-activations",
-            "spd-1e30"]
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
@@ -46,14 +45,8 @@ def check(A: torch.Tensor, ours: torch.Tensor) -> None:
 def _battery() -> list:
     """Every family at tiny n, non-multiples of 32 and the max n (128), both dtypes; the fast tier
     takes n <= 33 and one family at n = 128 per dtype (~1.5 s each on 2 cores)."""
-    out = []
-    for family in FAMILIES:
-        for n in [1, 2, 3, 5, 17, 33, 100, 128]:
-            for dt in DTYPES:
-                slow = n == 100 or (n == 128 and family != ("indefinite" if dt == "fp64" else "gram-activations"))
-                out.append(pytest.param(family, n, dt, id=f"{family}-n{n}-{dt}",
-                                        marks=pytest.mark.slow if slow else ()))
-    return out
+    return battery_cases([1, 2, 3, 5, 17, 33, 100, 128], lambda family, n, dt: n == 100 or (
+        n == 128 and family != ("indefinite" if dt == "fp64" else "gram-activations")), dtypes=list(DTYPES))
 
 
 @pytest.mark.parametrize("family, n, dt", _battery())

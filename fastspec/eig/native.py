@@ -1,4 +1,4 @@
-"""The ``fastspec::eigvalsh`` custom op and the host twin's launcher.
+"""The ``fastspec::eigvalsh`` custom op, the host twin's launcher and the team emulation's.
 
 ``torch.ops.fastspec.eigvalsh(A)`` runs fastspec's solver on ``A``'s device: on CUDA the kernel
 compiled at first use by NVRTC (:mod:`.cuda`, :mod:`.nvrtc`), on CPU the host twin of the same
@@ -95,6 +95,25 @@ def host_eigvalsh(A: Tensor) -> Tensor:
         f = _ext.host_eigvalsh_f32 if A.dtype == torch.float32 else _ext.host_eigvalsh_f64
         f(A3.data_ptr(), out.data_ptr(), B, n, *A3.stride(), out.stride(0))
     return out.reshape(A.shape[:-1])
+
+
+def team_eigvalsh(A: Tensor, algo: str = "block", schedule: int = 0, drop: int = -1) -> tuple[Tensor, list[int]]:
+    """For tests and the GPU kit's dry run, not for speed: algorithm ``algo`` of the CUDA kernel
+    (:data:`.variants.ALGORITHMS`) run on host threads by the team emulation, on CPU ``A: [..., n,
+    n]`` -> ``[..., n]``; with the site of every ``FS_SYNC`` barrier passed, in order. ``schedule``:
+    0 threads run freely, 1 one at a time in rank order, 2 in reverse; ``drop``: the index (in that
+    list) of the barrier every thread leaves out (fastspec/eig/csrc/eig_host.cpp)."""
+    _require("host")
+    if A.device.type != "cpu":
+        raise ValueError(f"A: expected a cpu tensor, got device {A.device}")
+    A3, out = _flatten(A)
+    B, n = out.shape
+    sites: list[int] = []
+    if B and n:
+        f = _ext.team_eigvalsh_f32 if A.dtype == torch.float32 else _ext.team_eigvalsh_f64
+        sites = f(A3.data_ptr(), out.data_ptr(), B, n, *A3.stride(), out.stride(0), algo=_ext.ALGOS[algo],
+                  schedule=schedule, drop=drop)
+    return out.reshape(A.shape[:-1]), sites
 
 
 @torch.library.custom_op("fastspec::eigvalsh", mutates_args=())
