@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,6 +57,9 @@ class Algorithm:
     id: int
     dtypes: tuple[str, ...]
     max_n: int
+    # n -> reals of shared work memory, the reduction scratch after it: eig_algos.h's algo_smem_elems
+    smem_elems: Callable[[int], int] = field(compare=False)
+    per_column: int = 1  # team members per matrix column (eig_algos.h's algo_threads)
     registers32: int = 128  # float32's per-thread register floor of the launch bounds (float64: 128 always)
 
     def registers(self, dtype: str) -> int:
@@ -66,19 +70,9 @@ class Algorithm:
 
     def threads(self, n: int) -> int:
         """The team (CUDA block) size for ``n x n`` matrices: eig_algos.h's ``algo_threads``."""
-        if self.name in ("regs", "split"):
-            return 2 * _round_up32(n)
-        return min(_round_up32(n), MAX_THREADS)
-
-    def smem_elems(self, n: int) -> int:
-        """Reals of shared work memory (the reduction scratch comes after): ``algo_smem_elems``."""
-        if self.name == "packed":
-            return packed_smem_elems(n)
-        if self.name == "regs":
-            return regs_smem_elems(n)
-        if self.name == "split":
-            return split_smem_elems(n)
-        return block_work_elems(n, True)
+        if self.per_column == 1:  # one member per column, striding over columns past the largest block
+            return min(_round_up32(n), MAX_THREADS)
+        return self.per_column * _round_up32(n)  # within max_n, never past MAX_THREADS
 
     def takes(self, n: int, dtype: str) -> bool:
         return dtype in self.dtypes and 1 <= n <= self.max_n
@@ -117,11 +111,11 @@ def split_smem_elems(n: int) -> int:
 
 
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
-    Algorithm("block", 0, ("float32", "float64"), MAX_N),
+    Algorithm("block", 0, ("float32", "float64"), MAX_N, lambda n: block_work_elems(n, True)),
     # packed: 80 registers from NVRTC 13 at n = 128, so its fifth block per SM is asked for (<= 102)
-    Algorithm("packed", 1, ("float32", "float64"), 256, registers32=96),
-    Algorithm("regs", 2, ("float32",), 128),
-    Algorithm("split", 3, ("float32", "float64"), 128),
+    Algorithm("packed", 1, ("float32", "float64"), 256, packed_smem_elems, registers32=96),
+    Algorithm("regs", 2, ("float32",), 128, regs_smem_elems, per_column=2),
+    Algorithm("split", 3, ("float32", "float64"), 128, split_smem_elems, per_column=2),
 )}
 """Every algorithm, by name; ids are eig_algos.h's ``Algo`` (tests check them equal)."""
 
