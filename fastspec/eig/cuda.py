@@ -16,8 +16,9 @@ The plan (what :func:`plan` decides per problem, from :class:`DeviceSpec`):
   per-block opt-in (227 KiB on H100: fp32 n <= 237, fp64 n <= 166); else a global workspace of
   one n x n matrix per block, the grid capped at 4 blocks per SM;
 * register budget (launch bounds): sized for the blocks that shared memory lets reside on one SM
-  (at most 4 on the workspace path), but never below 128 registers per thread (512 threads'
-  worth of the 64K register file): no spills on sm_80/sm_90 from NVRTC 13.0 or 13.5.
+  (at most 4 on the workspace path), but never below the algorithm's register floor per thread
+  (:meth:`.variants.Algorithm.registers`: 128, 96 for packed float32): no spills on sm_80/sm_90
+  from NVRTC 13.0 or 13.5.
 """
 from __future__ import annotations
 
@@ -32,12 +33,11 @@ from torch import Tensor
 
 from .._trace import assume_constant_result
 from . import nvrtc, variants
-from .limits import MAX_N, MAX_THREADS, SCRATCH
+from .limits import MAX_N, SCRATCH
 from .nvrtc import KernelUnavailable, Variant
 
 RESERVED_SMEM = 1024  # shared memory the driver keeps per block on sm_80 and newer
 ITEMSIZE = {"float32": 4, "float64": 8}
-REGISTER_THREADS = 512  # threads per SM the 64K registers are sized for at most: >= 128 per thread
 
 
 def block_work_elems(n: int, matrix_here: bool) -> int:
@@ -82,34 +82,28 @@ class DeviceSpec:
 
 def variant_for(n: int, dtype: str, spec: DeviceSpec, algo: str = "block") -> Variant:
     """The compile-time specialization of algorithm ``algo`` for ``n`` and ``dtype`` on this GPU;
-    ValueError when the algorithm does not take them or its shared memory does not fit."""
+    ValueError when the algorithm does not take them or its shared memory does not fit (the block
+    algorithm takes every n: past shared memory, its matrix goes to a global workspace)."""
     if not 1 <= n <= MAX_N:
         raise ValueError(f"n: must be in [1, {MAX_N}], got {n}")
-    if algo != "block":
-        a = variants.ALGORITHMS.get(algo)
-        if a is None:
-            raise ValueError(f"algo: expected one of {sorted(variants.ALGORITHMS)}, got {algo!r}")
-        if not a.takes(n, dtype):
-            raise ValueError(f"algo: {algo!r} takes {'/'.join(a.dtypes)} with n <= {a.max_n}, got {dtype} n = {n}")
-        smem = smem_bytes(n, dtype, True, algo)
-        if smem > spec.smem_optin:
-            raise ValueError(f"algo: {algo!r} needs {smem} bytes of shared memory for {dtype} n = {n}, "
-                             f"sm_{spec.cc} gives a block {spec.smem_optin}")
-        threads = a.threads(n)
-        resident = spec.smem_per_sm // (smem + RESERVED_SMEM)
-        # the launch bounds ask for every block shared memory lets reside, down to the algorithm's
-        # register floor per thread (128, but 96 for packed float32: below it NVRTC may spill)
-        return Variant(dtype, n, True, threads, max(1, min(resident, 65536 // (threads * a.registers(dtype)))),
-                       algo)
-    threads = min(-(-n // 32) * 32, MAX_THREADS)
-    smem = smem_bytes(n, dtype, True) <= spec.smem_optin
-    resident = spec.smem_per_sm // (smem_bytes(n, dtype, smem) + RESERVED_SMEM)
+    a = variants.ALGORITHMS.get(algo)
+    if a is None:
+        raise ValueError(f"algo: expected one of {sorted(variants.ALGORITHMS)}, got {algo!r}")
+    if not a.takes(n, dtype):
+        raise ValueError(f"algo: {algo!r} takes {'/'.join(a.dtypes)} with n <= {a.max_n}, got {dtype} n = {n}")
+    smem = smem_bytes(n, dtype, True, algo) <= spec.smem_optin
+    if not smem and algo != "block":
+        raise ValueError(f"algo: {algo!r} needs {smem_bytes(n, dtype, True, algo)} bytes of shared memory for "
+                         f"{dtype} n = {n}, sm_{spec.cc} gives a block {spec.smem_optin}")
+    threads = a.threads(n)
+    resident = spec.smem_per_sm // (smem_bytes(n, dtype, smem, algo) + RESERVED_SMEM)
     if not smem:
         resident = min(resident, 4)  # the workspace grid's blocks per SM
-    # never fewer than 128 registers per thread: with n a compile-time constant the loops unroll
-    # further, and at 64-93 registers NVRTC 13.0 spills (float32 n = 64 and n = 240 for sm_90,
-    # float64 at most sizes)
-    return Variant(dtype, n, smem, threads, max(1, min(resident, REGISTER_THREADS // threads)))
+    # the launch bounds ask for every block shared memory lets reside, down to the algorithm's
+    # register floor per thread: 128 (with n a compile-time constant the loops unroll further, and
+    # at 64-93 registers NVRTC 13.0 spills the block algorithm: float32 n = 64 and n = 240 for
+    # sm_90, float64 at most sizes), 96 for packed float32
+    return Variant(dtype, n, smem, threads, max(1, min(resident, 65536 // (threads * a.registers(dtype)))), algo)
 
 
 @dataclass(frozen=True)
