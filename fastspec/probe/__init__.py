@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING
 from .record import Record
 
 # public name -> submodule defining it
-_LAZY_NAMES = {"FAMILIES": "families", "Family": "families", "Probe": "probe", "ModuleSite": "sites"}
+_LAZY_NAMES = {"FAMILIES": "families", "Family": "families", "AttentionInputs": "families", "Probe": "probe",
+               "ModuleSite": "sites"}
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
-    from .families import FAMILIES, Family
+    from .families import FAMILIES, AttentionInputs, Family
     from .probe import Probe
     from .sites import ModuleSite
 
@@ -35,4 +36,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-__all__ = ["FAMILIES", "Family", "ModuleSite", "Probe", "Record"]
+__all__ = ["FAMILIES", "AttentionInputs", "Family", "ModuleSite", "Probe", "Record"]

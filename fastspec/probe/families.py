@@ -24,6 +24,19 @@ Each pattern is a regular expression matched against the full module name with
 Not listed: mixture-of-experts FFNs (Mixtral, OLMoE, ...), which have no single down
 projection per layer, and families whose attention bypasses the attention interface (Falcon,
 GPT-J as of transformers 5.23), whose keys the probe cannot see.
+
+**Models that are not Hugging Face models** (the trainers' own modules: OLMo-core's
+``Transformer``, TorchTitan's decoders) call no attention interface. Their family says where
+attention receives its post-RoPE queries and keys, by position among a module's inputs
+(:class:`AttentionInputs`); the probe reads them there with a forward pre-hook. Such a family
+names the model classes it is for (``Family.model_classes``), so ``Probe(model)`` finds it
+without ``config.model_type``; ``Probe(model, family=...)`` chooses one explicitly::
+
+    fastspec.probe.FAMILIES["my_trainer"] = fastspec.probe.Family(
+        ffn=r"(?:.*\\.)?blocks\\.(\\d+)\\.mlp\\.w2",
+        attention=fastspec.probe.AttentionInputs(r"(?:.*\\.)?blocks\\.(\\d+)\\.attn\\.core",
+                                                 query=0, key=1, layout="BTHD"),
+        model_classes=("my_trainer.model.",))
 """
 from __future__ import annotations
 
@@ -35,6 +48,44 @@ from torch import nn
 
 _P = r"(?:.*\.)?"  # any module prefix (model., base_model., transformer., ...)
 NORM_LAYOUTS = ("head", "head_first", "flat")
+
+
+LAYOUTS = ("BTHD", "BHTD")
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """Where a model's attention receives its post-RoPE queries and keys: positional inputs of the
+    modules whose full names ``re.fullmatch`` ``module`` (group 1: the layer index).
+
+    ``query`` and ``key`` are positions among the module's positional arguments: an int, or a
+    tuple of ints that indexes into nested tuples (``(0, 1)``: ``args[0][1]``, for a module called
+    with one ``(q, k, v)`` tuple, as OLMo-core's attention backends are); ``query=None`` when the
+    queries are not there. ``layout`` is the axes of those tensors: ``"BTHD"`` (batch, tokens,
+    heads, head width) or ``"BHTD"``. Keys arrive per KV head (before any GQA repeat), which is
+    what the key-rank protocol measures.
+    """
+
+    module: str
+    query: int | tuple[int, ...] | None = 0
+    key: int | tuple[int, ...] = 1
+    layout: str = "BTHD"
+
+    def __post_init__(self):
+        if not isinstance(self.module, str) or not self.module:
+            raise ValueError(f"module: expected a regular expression (group 1: the layer index), got {self.module!r}")
+        for name in ("query", "key"):
+            value = getattr(self, name)
+            if value is None and name == "query":
+                continue
+            path = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
+            if not (isinstance(path, tuple) and path
+                    and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in path)):
+                raise ValueError(f"{name}: expected a position (an int >= 0, or a tuple of them into nested "
+                                 f"tuples), got {value!r}")
+            object.__setattr__(self, name, path)
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout: expected one of {LAYOUTS}, got {self.layout!r}")
 
 
 @dataclass(frozen=True)
@@ -51,6 +102,13 @@ class Family:
 
     ``prerope_keys`` needs ``"head"`` (or no norm, then ``k_proj``). ``rotary``: whether the
     family has a rotary embedding; None (default) infers it from ``k_norm``/``k_proj`` being set.
+
+    ``attention``: where the keys and queries are read (:class:`AttentionInputs`); None (the
+    Hugging Face families) reads them at the attention interface (``hf_attention.py``).
+    ``model_classes``: prefixes of the module path of model classes (e.g.
+    ``"olmo_core.nn.transformer."``) this family is found for when the model has no
+    ``config.model_type``; any class in the model's MRO counts, so wrappers that subclass the
+    model (FSDP2's ``fully_shard``) keep it.
     """
 
     ffn: str | None
@@ -60,10 +118,19 @@ class Family:
     gamma_offset: float = 0.0  # Gemma's RMSNorm scales by (1 + weight)
     norm_layout: str = "head"
     rotary: bool | None = None
+    attention: AttentionInputs | None = None
+    model_classes: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.norm_layout not in NORM_LAYOUTS:
             raise ValueError(f"norm_layout: expected one of {NORM_LAYOUTS}, got {self.norm_layout!r}")
+        if self.attention is not None and not isinstance(self.attention, AttentionInputs):
+            raise TypeError(f"attention: expected a fastspec.probe.AttentionInputs or None, "
+                            f"got {type(self.attention).__name__}")
+        classes = (self.model_classes,) if isinstance(self.model_classes, str) else tuple(self.model_classes)
+        if not all(isinstance(c, str) and c for c in classes):
+            raise ValueError(f"model_classes: expected module-path prefixes (strings), got {self.model_classes!r}")
+        object.__setattr__(self, "model_classes", classes)
 
     @property
     def has_rotary(self) -> bool:
@@ -103,6 +170,20 @@ FAMILIES: dict[str, Family] = {
     "bert": Family(ffn=_P + r"layer\.(\d+)\.output\.dense"),
 }
 FAMILIES["gemma3"] = FAMILIES["gemma3_text"]
+
+# The trainers' own models (docs/olmo_core.md, docs/torchtitan.md). Their Q/K norms are left out
+# (no γ records): OLMo-core's sit over the whole projection or per head depending on the config,
+# and under FSDP2 their weights are shards, which γ's statistics cannot be taken over.
+FAMILIES["olmo_core"] = Family(
+    # Transformer.blocks[i]: attention.backend((q, k, v), ...) with q, k, v [B, T, H, d_head]
+    ffn=_P + r"blocks\.(\d+)\.feed_forward\.w2",
+    attention=AttentionInputs(_P + r"blocks\.(\d+)\.attention\.backend", query=(0, 0), key=(0, 1)),
+    rotary=True, model_classes=("olmo_core.nn.transformer.",))
+FAMILIES["torchtitan"] = Family(
+    # Decoder.layers[i]: attention.inner_attention(q, k, v, ...) with q, k, v [B, T, H, d_head]
+    ffn=_P + r"layers\.(\d+)\.feed_forward\.w2",
+    attention=AttentionInputs(_P + r"layers\.(\d+)\.attention\.inner_attention", query=0, key=1),
+    rotary=True, model_classes=("torchtitan.models.",))
 
 # Unknown decoder families usually follow the Llama layout; used with a warning.
 DEFAULT_FAMILY = _DECODER
@@ -169,24 +250,56 @@ def _check_prerope(model: nn.Module, model_type: str, family: Family) -> None:
                          f"is no pre-RoPE key module to hook; use keys=True (post-RoPE)")
 
 
-def resolve_family(model: nn.Module, needs_family: bool, prerope_keys: bool) -> Family | None:
-    """The :class:`Family` of an HF model (Llama layout with a warning when unknown); None for a
-    model without ``config.model_type``, which then may only have ``modules`` sites."""
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type is None:
-        if needs_family:
-            raise ValueError("model: keys/queries/ffn/prerope_keys sites need a Hugging Face model "
-                             "(with .config.model_type); for other models pass keys=False, ffn=False "
-                             "and choose sites with modules=")
-        return None
-    family = FAMILIES.get(model_type)
-    if family is None:
-        warnings.warn(f"fastspec.Probe: model_type {model_type!r} is not in fastspec.probe.FAMILIES; "
-                      f"assuming the Llama layout for FFN/Q-K-norm sites (register it: docs/protocols.md, "
-                      f"or pass ffn=False)",
-                      stacklevel=3)
-        family = DEFAULT_FAMILY
+def _family_of_class(model: nn.Module) -> tuple[str, Family] | None:
+    """The registered family whose ``model_classes`` names a class of ``model`` (its MRO)."""
+    modules = [f"{cls.__module__}.{cls.__qualname__}" for cls in type(model).__mro__]
+    for name, family in FAMILIES.items():
+        if any(m.startswith(prefix) for prefix in family.model_classes for m in modules):
+            return name, family
+    return None
+
+
+def _chosen_family(family) -> tuple[str, Family]:
+    """``Probe(family=...)``: a name in :data:`FAMILIES` or a :class:`Family`."""
+    if isinstance(family, Family):
+        return "custom", family
+    if isinstance(family, str):
+        if family not in FAMILIES:
+            raise ValueError(f"family: expected a name in fastspec.probe.FAMILIES or a Family, got {family!r} "
+                             f"(registered: {', '.join(sorted(FAMILIES))})")
+        return family, FAMILIES[family]
+    raise TypeError(f"family: expected a name in fastspec.probe.FAMILIES, a fastspec.probe.Family or None, "
+                    f"got {type(family).__name__}")
+
+
+def resolve_family(model: nn.Module, needs_family: bool, prerope_keys: bool, family=None) -> Family | None:
+    """The :class:`Family` of a model: ``family`` if given (a name in :data:`FAMILIES` or a
+    :class:`Family`); else an HF model's by ``config.model_type`` (Llama layout with a warning when
+    unknown); else the one whose ``model_classes`` names the model's class (OLMo-core,
+    TorchTitan). None for any other model, which then may only have ``modules`` sites."""
+    if family is not None:
+        model_type, family = _chosen_family(family)
+    else:
+        config = getattr(model, "config", None)
+        model_type = getattr(config, "model_type", None)
+        found = _family_of_class(model) if model_type is None else None
+        if model_type is None and found is None:
+            if needs_family:
+                raise ValueError("model: keys/queries/ffn/prerope_keys sites need a Hugging Face model "
+                                 "(with .config.model_type), a model of a registered trainer (OLMo-core, "
+                                 "TorchTitan) or family=...; for other models pass keys=False, ffn=False "
+                                 "and choose sites with modules=")
+            return None
+        if found is not None:
+            model_type, family = found
+        else:
+            family = FAMILIES.get(model_type)
+            if family is None:
+                warnings.warn(f"fastspec.Probe: model_type {model_type!r} is not in fastspec.probe.FAMILIES; "
+                              f"assuming the Llama layout for FFN/Q-K-norm sites (register it: docs/protocols.md, "
+                              f"or pass ffn=False)",
+                              stacklevel=3)
+                family = DEFAULT_FAMILY
     if prerope_keys:
         _check_prerope(model, model_type, family)
     return family

@@ -5,7 +5,9 @@
   never counted twice, and it keeps that call's 2-D ``attention_mask`` so padding is not counted
   (a mask whose shape does not fit the call's tokens or a site's rows raises: it cannot be read).
 * :class:`Hooks` installs one callback per site (attention keys/queries through
-  ``hf_attention.watch``, forward pre-hooks on the FFN down projections, forward hooks on
+  ``hf_attention.watch``, or, for a family with :class:`~fastspec.probe.families.AttentionInputs`
+  (OLMo-core, TorchTitan), forward pre-hooks on the modules that receive them; forward
+  pre-hooks on the FFN down projections, forward hooks on
   pre-RoPE key modules and user :class:`~fastspec.probe.ModuleSite` modules) and removes all of
   them. Each callback only shapes the activation into rows ``[*rows, H, D]`` or ``[*rows, D]``
   and hands it to ``capture``; where it goes is ``routing.py``'s business.
@@ -24,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from . import hf_attention
-from .families import Family, ffn_modules, layer_of, matches, plain_name
+from .families import AttentionInputs, Family, ffn_modules, layer_of, matches, plain_name
 from .sites import ModuleSite
 
 # capture(slot, x, *, headed, convention, head_offset=0, stream_row_step=None)
@@ -78,6 +80,47 @@ def as_bool_mask(mask) -> Tensor | None:
     if not isinstance(mask, Tensor) or mask.dim() != 2:
         return None
     return mask if mask.dtype == torch.bool else mask != 0
+
+
+def at_position(args: tuple, path: tuple[int, ...]):
+    """``args[path[0]][path[1]]...``, or None where the inputs are shorter than the path."""
+    value = args
+    for i in path:
+        if not isinstance(value, (tuple, list)) or len(value) <= i:
+            return None
+        value = value[i]
+    return value
+
+
+def local_part(x: Tensor, head_axis: int | None, site: str) -> tuple[Tensor, int | None]:
+    """``x`` as this rank's tensor, and the global index of its first head when ``x`` is a
+    ``DTensor`` sharded over ``head_axis`` (tensor parallelism: mesh coordinate × heads per
+    rank, torch's even split); ``(x, None)`` for a plain tensor.
+
+    A DTensor sharded over other row axes (tokens) gives this rank's rows, a replicated one the
+    whole tensor. Raises for one sharded over its features (the last axis: no rank holds a
+    whole row, e.g. the input of a row-parallel down projection) or holding partial sums
+    (not activations yet): ``site`` names the capture in the error."""
+    placements = getattr(x, "placements", None)
+    if placements is None or not hasattr(x, "to_local"):
+        return x, None
+    head_axis = None if head_axis is None else head_axis % x.dim()
+    offset = 0
+    for mesh_dim, p in enumerate(placements):
+        if p.is_partial():
+            raise ValueError(f"{site}: the activations are a DTensor with a partial placement ({p}): they are "
+                             f"not summed over ranks yet, so no rank holds them")
+        if not p.is_shard():
+            continue
+        axis = p.dim % x.dim()
+        if axis == head_axis:
+            mesh = x.device_mesh
+            offset += mesh.get_local_rank(mesh_dim) * -(-x.shape[axis] // mesh.size(mesh_dim))
+        elif axis == x.dim() - 1:
+            raise ValueError(f"{site}: the activations are a DTensor sharded over their features ({p}, tensor "
+                             f"parallelism), so no rank holds whole rows; probe a replicated module instead, "
+                             f"or turn this site off")
+    return x.to_local(), offset
 
 
 def positional_index(fn, name: str) -> int | None:
@@ -267,7 +310,7 @@ class Hooks:
         handles.append(model.register_forward_pre_hook(self.scope.start, with_kwargs=True))
         handles.append(model.register_forward_hook(self.scope.end, always_call=True))
         if plan.keys or plan.queries:
-            handles.append(self._watch_attention())
+            self._install_attention(handles)
         if plan.ffn:
             for _, mod, layer in ffn_modules(model, self.family):
                 handles.append(mod.register_forward_pre_hook(self._ffn_hook(layer)))
@@ -288,6 +331,14 @@ class Hooks:
         return found
 
     def _attention_modules(self) -> dict[nn.Module, int]:
+        spec = self.family.attention if self.family is not None else None
+        if spec is not None:  # a family that names the modules receiving q/k (non-HF models)
+            found = {mod: layer for _, mod, layer in matches(self.model, spec.module) if layer is not None}
+            if not found:
+                raise ValueError(f"keys/queries: no module matches the attention pattern {spec.module!r} "
+                                 f"(with a layer index) in this model; check the family "
+                                 f"(fastspec.probe.FAMILIES, Probe(family=...)), or pass keys=False")
+            return found
         found = {}
         for name, mod in self.model.named_modules():
             if "Attention" not in type(mod).__name__ or getattr(mod, "is_cross_attention", False) \
@@ -315,25 +366,54 @@ class Hooks:
             raise ValueError("prerope_keys: found no k_norm/k_proj modules in this model")
         return found, use_norm
 
-    def _watch_attention(self):
+    def _install_attention(self, handles: list) -> None:
+        spec = self.family.attention if self.family is not None else None
         callbacks = {mod: self._attention_callback(layer) for mod, layer in self._attention_modules().items()}
-        return hf_attention.watch(callbacks, getattr(self.model.config, "_attn_implementation", None))
+        if spec is None:
+            handles.append(hf_attention.watch(callbacks, getattr(self.model.config, "_attn_implementation", None)))
+            return
+        for mod, callback in callbacks.items():
+            handles.append(mod.register_forward_pre_hook(self._inputs_hook(spec, callback)))
+
+    @staticmethod
+    def _inputs_hook(spec: AttentionInputs, callback):
+        """A forward pre-hook handing the module's ``(query, key)`` inputs to ``callback`` as the
+        attention interface would: ``[B, H, T, D]`` (a view, no copy)."""
+        query_pos, key_pos, bthd = spec.query, spec.key, spec.layout == "BTHD"
+
+        def hook(module, args):
+            key = at_position(args, key_pos)
+            query = at_position(args, query_pos) if query_pos is not None else None
+            if not isinstance(key, Tensor):
+                return
+            if bthd:
+                key = key.transpose(1, 2)
+                query = query.transpose(1, 2) if isinstance(query, Tensor) else None
+            callback(module, query, key)
+        return hook
 
     def _attention_callback(self, layer: int):
         plan, capture = self.plan, self._capture
         keys, queries = self._slot("keys", layer), self._slot("queries", layer)
 
-        def callback(module, query: Tensor, key: Tensor) -> None:
-            if key.dim() != 4 or query.dim() != 4:
+        def rows(x: Tensor) -> tuple[Tensor, int]:
+            """``x: [B, H, T, D]`` as rows ``[B, T, H, D]`` of this rank's heads, and the global index
+            of its first head: from a DTensor's placement (TorchTitan's tensor parallelism), else
+            ``tp_rank × H``."""
+            x, offset = local_part(x, 1, "keys/queries")
+            return x.transpose(1, 2), plan.tp_rank * x.shape[1] if offset is None else offset
+
+        def callback(module, query: Tensor | None, key: Tensor) -> None:
+            if key.dim() != 4 or (query is not None and query.dim() != 4):
                 return
-            tq = query.shape[-2]
+            tq = key.shape[-2] if query is None else query.shape[-2]
             if plan.keys:
                 k = key[:, :, key.shape[-2] - tq:] if key.shape[-2] > tq else key  # new tokens only (KV cache)
-                capture(keys, k.transpose(1, 2), headed=True, convention=plan.key_convention,
-                        head_offset=plan.tp_rank * k.shape[1])
-            if plan.queries:
-                capture(queries, query.transpose(1, 2), headed=True, convention=plan.key_convention,
-                        head_offset=plan.tp_rank * query.shape[1])
+                k, offset = rows(k)
+                capture(keys, k, headed=True, convention=plan.key_convention, head_offset=offset)
+            if plan.queries and query is not None:
+                q, offset = rows(query)
+                capture(queries, q, headed=True, convention=plan.key_convention, head_offset=offset)
         return callback
 
     def _install_prerope(self, handles: list) -> None:
@@ -358,6 +438,7 @@ class Hooks:
         def hook(module, args):
             x = first_tensor(args)
             if x is not None and x.is_floating_point():
+                x, _ = local_part(x, None, "ffn")
                 capture(slot, scope.token_rows(x), headed=False, convention=plan.ffn_convention,
                         stream_row_step=plan.ffn_row_step)
         return hook
@@ -369,6 +450,7 @@ class Hooks:
             x = first_tensor(output if spec.io == "output" else args)
             if x is None or not x.is_floating_point() or x.dim() < 2:
                 return
+            x, _ = local_part(x, None, f"modules: {spec.pattern!r}")
             if spec.heads is not None:
                 if x.shape[-1] % spec.heads:
                     raise ValueError(f"modules: {spec.pattern!r} width {x.shape[-1]} is not divisible "

@@ -4,7 +4,10 @@ Sites (docs/protocols.md):
 
 * ``keys`` / ``queries``: what attention sees, after Q/K-norm and RoPE, per KV head (keys) or
   query head (queries), ``[B, T, H, d_head]`` rows, intercepted at the attention function
-  (``hf_attention.py``) whatever backend the model uses.
+  (``hf_attention.py``) whatever backend the model uses; for models that call no attention
+  interface (OLMo-core, TorchTitan), at the module that receives them, as their family says
+  (``families.AttentionInputs``). Under tensor parallelism a ``DTensor`` sharded over heads
+  gives each head its global index.
 * ``keys_prerope``: keys after ``k_norm`` (or ``k_proj``) and before RoPE, for comparison.
 * ``ffn``: the input of the down projection, ``[B, T, d_ff]`` (forward pre-hook; flattened
   ``[B·T, d_ff]`` rows, as OPT's, are viewed as ``[B, T, d_ff]`` so the mask reaches them); while
@@ -95,7 +98,10 @@ class Probe:
     Args:
         model: an ``nn.Module``; attention sites need a Hugging Face ``PreTrainedModel``
             (a family listed in ``fastspec.probe.FAMILIES``, or any model using the attention
-            interface); FFN sites need a known family; ``modules`` work on any module.
+            interface) or a model of a family that says where its attention receives queries
+            and keys (OLMo-core, TorchTitan: ``family``); FFN sites need a known family;
+            ``modules`` work on any module. Probe the model whose ``forward`` the training loop
+            calls: only that forward counts (not a checkpoint's recompute in backward).
         keys, queries, ffn, prerope_keys: which built-in sites to probe.
         modules: extra sites: a glob, a :class:`ModuleSite`, or a list of them. A site that
             matches no module of the model raises here, as does a site name used twice.
@@ -133,12 +139,18 @@ class Probe:
         sync: under ``torch.distributed``: ``"all"`` ranks get the global metrics, only
             ``"rank0"``, or ``"none"`` (each rank its own tokens).
         process_group: the data-parallel group to merge over (default: the world).
-        tp_rank: tensor-parallel rank; head indices become ``tp_rank * H_local + h``.
+        tp_rank: tensor-parallel rank; head indices become ``tp_rank * H_local + h``. Keys
+            that arrive as a ``DTensor`` sharded over heads need none: its placement gives
+            the global index.
         cuda_graphs: for ``torch.compile(mode="reduce-overhead")``: the capture schedule of a
             compiled model is then a tensor on the GPU, which a CUDA graph can hold, and idle
             steps do the capture work too (masked out). Default: a CPU tensor, which makes idle
             steps free but keeps Inductor from using CUDA graphs (docs/compile.md).
         clock: host clock for the overhead timer (seconds; default ``time.perf_counter``).
+        family: where the built-in sites live: a name in ``fastspec.probe.FAMILIES`` or a
+            :class:`~fastspec.probe.Family`. Default: found from the model, a Hugging Face
+            model's ``config.model_type`` or the class of an OLMo-core or TorchTitan model
+            (``Family.model_classes``); see ``families.py``.
 
     Flags take Python or NumPy bools, counts Python or NumPy ints (never bools or floats); a bad
     argument raises naming it (``fastspec/_args.py`` holds the rules).
@@ -166,7 +178,7 @@ class Probe:
                  emit_every: int = 100, reset: bool = True, row_step: int = 1,
                  budget: float | None = None, ffn_rows: int | str = "auto", sync: str = "all",
                  process_group=None, tp_rank: int = 0, cuda_graphs: bool = False,
-                 clock: Callable[[], float] | None = None):
+                 clock: Callable[[], float] | None = None, family=None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         keys, queries = _args.flag("keys", keys), _args.flag("queries", queries)
@@ -192,7 +204,7 @@ class Probe:
         if clock is not None and not callable(clock):
             raise TypeError(f"clock: expected a callable returning seconds, got {type(clock).__name__}")
         self.model = _unwrap_compiled(model)
-        self.family = resolve_family(self.model, keys or queries or ffn or prerope_keys, prerope_keys)
+        self.family = resolve_family(self.model, keys or queries or ffn or prerope_keys, prerope_keys, family)
         self.ffn_rows, self.ffn_share = choose_ffn_rows(self.model, self.family, ffn, ffn_rows,
                                                          self._budget.budget, self.row_step)
         self.sites = SitePlan(keys=keys, queries=queries, ffn=ffn, prerope_keys=prerope_keys,
@@ -342,10 +354,13 @@ class Probe:
 
     def _missing_hints(self) -> dict[str, str]:
         """Every requested site, with the likely reason why it would capture nothing."""
+        fam = self.family
         attention = ("this model never called the Hugging Face attention interface (older transformers "
                      "route some families around it, e.g. BERT before 5.0). Upgrade transformers, or "
                      "probe the projections with modules=ModuleSite(..., heads=H)")
-        fam = self.family
+        if fam is not None and fam.attention is not None:
+            attention = (f"the modules matching {fam.attention.module!r} never ran with a tensor at the "
+                         f"family's key position {fam.attention.key}; check the family, or pass keys=False")
         hints = {"keys": attention, "queries": attention,
                  "ffn": f"the modules matching {getattr(fam, 'ffn', None)!r} never ran with a floating-point "
                         f"input; register this model's family in fastspec.probe.FAMILIES, or pass ffn=False",
