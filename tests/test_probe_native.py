@@ -11,6 +11,7 @@ that they run without either trainer installed (tests/test_integration_*.py run 
 * the family is found from the model's class (``Family.model_classes``, also through a subclass
   such as FSDP2's), by name or as an object, and bad families or positions raise one line;
 * the recompute of activation checkpointing in backward is not counted: ``n`` is the tokens once;
+* blocks compiled in place (``fullgraph=True``) trace the pre-hooks and stream the eager records;
 * tensor parallelism: keys arriving as a ``DTensor`` sharded over heads (2 gloo ranks) are
   reported under their global head index, each equal to that head of one process's records.
 """
@@ -284,3 +285,25 @@ def test_dtensor_keys_get_their_global_head_index(tmp_path):
     assert got.keys() == want.keys()
     for k, v in want.items():  # a rank's columns of the fp32 projection sum in another order: ~1e-7
         assert got[k] == pytest.approx(v, rel=1e-6, abs=1e-12), k
+
+
+def test_compiled_blocks_capture_in_the_graph():
+    """Each block compiled in place with ``fullgraph=True``: the pre-hooks on the cores are traced
+    (no graph break), and the streamed records equal the eager ones."""
+    torch.manual_seed(0)
+    x = tokens()
+    eager, compiled = TinyNative(packed=True), TinyNative(packed=True)
+    compiled.load_state_dict(eager.state_dict())
+    for block in compiled.blocks:
+        block.compile(fullgraph=True, backend="aot_eager")
+    got = {}
+    for name, model in (("eager", eager), ("compiled", compiled)):
+        probe = fastspec.Probe(model, family=family(packed=True), ffn_rows="all", emit_every=1)
+        with probe.streaming():
+            model(x).square().mean().backward()
+            in_graph = probe._router.captured_in_graph
+            got[name] = values(probe.step(0))
+        assert in_graph == (name == "compiled")
+    assert got["eager"].keys() == got["compiled"].keys() and got["eager"]
+    for k, v in got["eager"].items():
+        assert got["compiled"][k] == pytest.approx(v, rel=1e-6, abs=1e-12), k
