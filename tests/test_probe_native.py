@@ -192,9 +192,21 @@ def test_bad_families_and_positions_raise_one_line():
             assert "\n" not in str(e)
 
 
-def test_checkpoint_recompute_is_not_counted():
+def _wrapped() -> TinyNative:
+    """Each block inside torch's checkpoint wrapper, as TorchTitan and OLMo-core apply it: module
+    names gain a ``_checkpoint_wrapped_module`` segment, which site patterns look through."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = TinyNative()
+    model.blocks = nn.ModuleList(checkpoint_wrapper(b) for b in model.blocks)
+    assert any("_checkpoint_wrapped_module" in n for n, _ in model.named_modules())
+    return model
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "wrapper"])
+def test_checkpoint_recompute_is_not_counted(how):
     torch.manual_seed(0)
-    model, x = TinyNative(checkpointed=True), tokens()
+    model, x = (TinyNative(checkpointed=True) if how == "checkpoint" else _wrapped()), tokens()
     probe = fastspec.Probe(model, family=family(), ffn_rows="all", emit_every=1)
     with probe.streaming():
         model(x).square().mean().backward()  # backward recomputes each block's forward
@@ -203,7 +215,7 @@ def test_checkpoint_recompute_is_not_counted():
     assert ns == {B * T}, ns
     # and equal to the same tokens measured without checkpointing
     plain = TinyNative()
-    plain.load_state_dict(model.state_dict())
+    plain.load_state_dict({k.replace("._checkpoint_wrapped_module", ""): v for k, v in model.state_dict().items()})
     measured = values(fastspec.Probe(plain, family=family(), ffn_rows="all").measure(x, step=0))
     for k, v in measured.items():
         assert streamed[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k

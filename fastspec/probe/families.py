@@ -203,10 +203,15 @@ def layer_of(name: str, module=None) -> int | None:
     return int(m.group(1)) if m else None
 
 
+# name segments of wrapper modules: torch.compile's (``layers.0._orig_mod.mlp``, layers compiled one
+# by one) and torch's activation-checkpoint wrapper (TorchTitan and OLMo-core wrap each block)
+WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module")
+
+
 def plain_name(name: str) -> str:
-    """A module name without the ``_orig_mod`` segments that ``torch.compile`` wrappers put in it
-    (``layers.0._orig_mod.mlp`` -> ``layers.0.mlp``, e.g. layers compiled one by one)."""
-    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+    """A module name without the segments of wrapper modules (:data:`WRAPPER_SEGMENTS`):
+    ``layers.0._checkpoint_wrapped_module.mlp`` -> ``layers.0.mlp``."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
 
 
 def matches(model: nn.Module, pattern: str | None) -> list[tuple[str, nn.Module, int | None]]:
