@@ -1,4 +1,5 @@
-"""Logging integrations: push probe records to TensorBoard, W&B, Lightning and HF Trainer.
+"""Integrations: push probe records to TensorBoard, W&B, Lightning and HF Trainer, and stream the
+probe inside the OLMo-core and TorchTitan trainers.
 
 Each integration lives in its own module and imports its library only there, so
 ``import fastspec`` (and this package) work without any of them:
@@ -8,6 +9,10 @@ Each integration lives in its own module and imports its library only there, so
 ``integrations.wandb``         ``log_to_wandb(records, run=None)``
 ``integrations.lightning``     ``FastspecCallback`` (``lightning.pytorch.Callback``)
 ``integrations.hf``            ``FastspecTrainerCallback`` (``transformers.TrainerCallback``)
+``integrations.olmo_core``     ``FastspecCallback`` (OLMo-core ``Callback``): streaming over the
+                               training tokens, metrics in OLMo-core's loggers (docs/olmo_core.md)
+``integrations.torchtitan``    ``FastspecTrainer`` (a TorchTitan ``Trainer``; config section ``fastspec``):
+                               streaming during pre-training, FSDP/TP/compile (docs/torchtitan.md)
 ``integrations.alerts``        ``RankCollapseAlert(threshold=, drop=).check(records)``: rank-collapse
                                alerts, also ``alerts=`` of both callbacks (docs/alerts.md)
 =============================  ===============================================
@@ -24,7 +29,7 @@ import numpy as np
 from ._records import as_dicts
 from .alerts import Alert, RankCollapseAlert
 
-__all__ = ["scalars", "heatmap", "heatmap_image", "as_dicts", "Alert", "RankCollapseAlert"]
+__all__ = ["Alert", "RankCollapseAlert", "as_dicts", "heatmap", "heatmap_image", "scalars"]
 
 
 def scalars(records, prefix: str = "fastspec") -> dict[str, float]:
