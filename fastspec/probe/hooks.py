@@ -123,6 +123,17 @@ def local_part(x: Tensor, head_axis: int | None, site: str) -> tuple[Tensor, int
     return x.to_local(), offset
 
 
+def _from_bhtd(callback):
+    """``callback(module, query, key)`` taking rows ``[B, T, H, D]``, as a callback taking the
+    ``[B, H, T, D]`` of the attention interface (transposed views; other ranks pass as they are,
+    for ``callback`` to skip)."""
+    def bhtd(module, query, key):
+        def rows(t):
+            return t.transpose(1, 2) if isinstance(t, Tensor) and t.dim() == 4 else t
+        callback(module, rows(query), rows(key))
+    return bhtd
+
+
 def positional_index(fn, name: str) -> int | None:
     """Position of parameter ``name`` among ``fn``'s positional arguments (worked out once, so the
     pre-hook that runs on every forward, traced or not, needs no ``inspect``)."""
@@ -330,8 +341,13 @@ class Hooks:
                              f"model.named_modules(), e.g. 'model.layers.*.mlp.act_fn')")
         return found
 
+    @property
+    def _attention_inputs(self) -> AttentionInputs | None:
+        """Where the family's attention receives q/k (non-HF models); None: the HF interface."""
+        return self.family.attention if self.family is not None else None
+
     def _attention_modules(self) -> dict[nn.Module, int]:
-        spec = self.family.attention if self.family is not None else None
+        spec = self._attention_inputs
         if spec is not None:  # a family that names the modules receiving q/k (non-HF models)
             found = {mod: layer for _, mod, layer in matches(self.model, spec.module) if layer is not None}
             if not found:
@@ -367,9 +383,10 @@ class Hooks:
         return found, use_norm
 
     def _install_attention(self, handles: list) -> None:
-        spec = self.family.attention if self.family is not None else None
+        spec = self._attention_inputs
         callbacks = {mod: self._attention_callback(layer) for mod, layer in self._attention_modules().items()}
-        if spec is None:
+        if spec is None:  # the HF interface hands q/k over as [B, H, T, D]
+            callbacks = {mod: _from_bhtd(cb) for mod, cb in callbacks.items()}
             handles.append(hf_attention.watch(callbacks, getattr(self.model.config, "_attn_implementation", None)))
             return
         for mod, callback in callbacks.items():
@@ -377,19 +394,18 @@ class Hooks:
 
     @staticmethod
     def _inputs_hook(spec: AttentionInputs, callback):
-        """A forward pre-hook handing the module's ``(query, key)`` inputs to ``callback`` as the
-        attention interface would: ``[B, H, T, D]`` (a view, no copy)."""
-        query_pos, key_pos, bthd = spec.query, spec.key, spec.layout == "BTHD"
+        """A forward pre-hook handing the module's ``(query, key)`` inputs to ``callback`` as rows
+        ``[B, T, H, D]``: as they are (``"BTHD"``, no op at all, which matters for a DTensor) or
+        transposed views (``"BHTD"``)."""
+        query_pos, key_pos = spec.query, spec.key
+        if spec.layout == "BHTD":
+            callback = _from_bhtd(callback)
 
         def hook(module, args):
             key = at_position(args, key_pos)
             query = at_position(args, query_pos) if query_pos is not None else None
-            if not isinstance(key, Tensor):
-                return
-            if bthd:
-                key = key.transpose(1, 2)
-                query = query.transpose(1, 2) if isinstance(query, Tensor) else None
-            callback(module, query, key)
+            if isinstance(key, Tensor):
+                callback(module, query if isinstance(query, Tensor) else None, key)
         return hook
 
     def _attention_callback(self, layer: int):
@@ -397,18 +413,18 @@ class Hooks:
         keys, queries = self._slot("keys", layer), self._slot("queries", layer)
 
         def rows(x: Tensor) -> tuple[Tensor, int]:
-            """``x: [B, H, T, D]`` as rows ``[B, T, H, D]`` of this rank's heads, and the global index
-            of its first head: from a DTensor's placement (TorchTitan's tensor parallelism), else
-            ``tp_rank × H``."""
-            x, offset = local_part(x, 1, "keys/queries")
-            return x.transpose(1, 2), plan.tp_rank * x.shape[1] if offset is None else offset
+            """Rows ``x: [B, T, H, D]`` of this rank's heads, and the global index of its first head:
+            from a DTensor's placement (TorchTitan's tensor parallelism), else ``tp_rank × H``."""
+            x, offset = local_part(x, 2, "keys/queries")
+            return x, plan.tp_rank * x.shape[2] if offset is None else offset
 
         def callback(module, query: Tensor | None, key: Tensor) -> None:
+            """``query`` (or None) and ``key`` as rows ``[B, T, H, D]``."""
             if key.dim() != 4 or (query is not None and query.dim() != 4):
                 return
-            tq = key.shape[-2] if query is None else query.shape[-2]
+            tq = key.shape[1] if query is None else query.shape[1]
             if plan.keys:
-                k = key[:, :, key.shape[-2] - tq:] if key.shape[-2] > tq else key  # new tokens only (KV cache)
+                k = key[:, key.shape[1] - tq:] if key.shape[1] > tq else key  # new tokens only (KV cache)
                 k, offset = rows(k)
                 capture(keys, k, headed=True, convention=plan.key_convention, head_offset=offset)
             if plan.queries and query is not None:
