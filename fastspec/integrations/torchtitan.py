@@ -133,8 +133,7 @@ class FastspecTrainer(Trainer):
         self.fastspec_probe = None
         self.fastspec_records: list = []
         self._fastspec_calls = 0   # probe.step() calls: the emission schedule all TP ranks share
-        self._fastspec_known = 0   # records of the probe's history already taken
-        self._fastspec_pending: list = []  # under TP: records waiting for the next gather
+        self._fastspec_gathered = 0  # under TP: records of the probe's history already gathered
         self._fastspec_tp_group = None
         self._fastspec_dp_size = 1
         if config.fastspec.enable:
@@ -148,7 +147,7 @@ class FastspecTrainer(Trainer):
             raise NotImplementedError(f"model_parts: fastspec.integrations.torchtitan probes one model part, "
                                       f"got {len(self.model_parts)} (pipeline parallelism is not supported)")
         pd = self.parallel_dims
-        group, sync = None, "all"
+        group = None
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             # the ranks whose tokens differ (data and context parallel) merge their covariances;
             # without them, a group of this rank alone: never None, which would merge over the
@@ -158,7 +157,7 @@ class FastspecTrainer(Trainer):
             group, self._fastspec_dp_size = mesh.get_group(), mesh.size()
             tp = pd.get_optional_mesh("tp")
             self._fastspec_tp_group = None if tp is None else tp.get_group()
-        self.fastspec_probe = Probe(self.model_parts[0], sync=sync, process_group=group, **cfg.probe_kwargs())
+        self.fastspec_probe = Probe(self.model_parts[0], sync="all", process_group=group, **cfg.probe_kwargs())
         self.fastspec_probe.attach()
 
     # ---------------------------------------------------------------- training
@@ -173,15 +172,13 @@ class FastspecTrainer(Trainer):
         tokens = self.ntokens_seen * self._fastspec_dp_size
         new = probe.step(self.step, tokens_seen=tokens)
         self._fastspec_calls += 1
-        self._fastspec_known += len(new)
         if self._fastspec_tp_group is not None:
-            # gather on emission steps only (the same steps on every TP rank); wait for what is in flight
-            self._fastspec_pending += new
+            # gather on emission steps only (the same steps on every TP rank), waiting for what is in
+            # flight: every record of the history since the last gather, those step() returned included
             if self._fastspec_calls % probe.emit_every:
                 return
             everything = probe.records()
-            new, self._fastspec_pending = self._fastspec_pending + everything[self._fastspec_known:], []
-            self._fastspec_known = len(everything)
+            new, self._fastspec_gathered = everything[self._fastspec_gathered:], len(everything)
             parts = [None] * torch.distributed.get_world_size(self._fastspec_tp_group)
             torch.distributed.all_gather_object(parts, new, group=self._fastspec_tp_group)
             new = [r for part in parts for r in part]
@@ -221,7 +218,7 @@ class FastspecTrainer(Trainer):
             saved = torch.load(io.BytesIO(state_dict[key]), weights_only=False)
             self.fastspec_probe.load_state_dict(saved["probe"])
             self._fastspec_calls = int(saved["calls"])
-            self._fastspec_known = len(self.fastspec_probe.records())
+            self._fastspec_gathered = len(self.fastspec_probe.records())
 
     def close(self) -> None:
         if self.fastspec_probe is not None:
