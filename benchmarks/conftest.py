@@ -94,7 +94,7 @@ def _inputs(case: Case) -> Inputs:
     if id(case) not in _last:
         _close_last()
         free_memory(default_device())
-        _last[id(case)] = (case, case.setup())
+        _last[id(case)] = (case, case.inputs())
     return _last[id(case)][1]
 
 

@@ -139,6 +139,23 @@ def test_covariance_cases_time_the_kernel_the_update_and_a_copy_of_the_same_byte
             assert r["fastspec_error"] <= 4 * r["baseline_error"] + 8 * 2.0**-24, r
 
 
+def test_a_case_is_built_on_the_same_data_every_run_and_leaves_the_callers_generator_alone():
+    """Inputs come from generators seeded with ``SEED``: two runs of a case report the same
+    error (a claim cannot flip with the draw), and the caller's random stream goes on as if the
+    case had not drawn from it."""
+    from fastspec.bench.runner import run_cases
+
+    ffn = [c for c in cases("covariance", "quick", CPU) if c.size.startswith("ffn") and c.variant == "auto"]
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    torch.manual_seed(7)
+    first = ffn[0].inputs()["x"]
+    assert torch.equal(torch.rand(4), expected)
+    assert torch.equal(ffn[0].inputs()["x"], first)
+    errors = [[r["fastspec_error"] for r in run_cases(ffn, CPU, warmup=0, repeats=1)] for _ in range(2)]
+    assert errors[0] == errors[1] and errors[0][0] > 0, errors
+
+
 # ------------------------------------------------------------------------ the accuracy claims
 def test_a_relative_claim_holds_up_to_its_bound_and_says_how_it_broke():
     from fastspec.bench.case import EPS32, no_worse_than

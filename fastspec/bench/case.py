@@ -36,6 +36,11 @@ HEADLINE = "headline"
 
 Inputs = dict[str, Any]
 
+SEED = 0
+"""Seed of the random number generators when a case builds its inputs (:meth:`Case.inputs`):
+every run, and every ``--filter`` of it, times and checks a case on the same data, so its error
+can be compared across runs and a claim that holds does not flip with the draw."""
+
 EPS32 = torch.finfo(torch.float32).eps
 EPS64 = torch.finfo(torch.float64).eps
 FLOOR_EPS = 8
@@ -111,7 +116,7 @@ class Case:
     Attributes:
         suite, size, variant: identify the case; ``size`` is a readable id (``B4096-n128-fp32``),
             ``variant`` the fastspec configuration (``auto``, ``triton``, a solver backend).
-        setup: builds the inputs on the device (called once per case).
+        setup: builds the inputs on the device (called once per case, through :meth:`inputs`).
         fastspec: the call being timed.
         baselines: ``{name: call}`` timed the same way in the same run.
         check: ``inputs -> {"fastspec_error": x, "baseline_error": y | None, ...}``;
@@ -154,6 +159,13 @@ class Case:
     teardown: Callable[[Inputs], None] | None = None
     tags: frozenset[str] = frozenset()
     row_extra: Callable[[dict], dict] | None = None
+
+    def inputs(self) -> Inputs:
+        """:attr:`setup`'s inputs, drawn from generators seeded with :data:`SEED` (torch's CPU
+        and CUDA ones); the caller's generator states are restored afterwards."""
+        with torch.random.fork_rng():  # CPU and every visible CUDA device
+            torch.manual_seed(SEED)
+            return self.setup()
 
     def close(self, inputs: Inputs | None) -> None:
         """Run :attr:`teardown` on ``inputs`` (nothing without either)."""

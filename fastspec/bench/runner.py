@@ -74,7 +74,7 @@ def run_case(case: Case, device: torch.device, *, warmup: int = 2, repeats: int 
     rows = []
     inputs = None
     try:
-        inputs = case.setup()
+        inputs = case.inputs()
         errors = case.check(inputs)
         violation = case.claim.violated(errors)  # the rule benchmarks/conftest.py asserts
         names = list(case.baselines)
