@@ -38,6 +38,8 @@ import torchtitan
 from torchtitan.trainer import Trainer
 
 from .. import _args
+from ..covariance.distributed import is_distributed
+from ..probe.ffn_sampling import check_ffn_rows
 
 __all__ = ["TESTED_VERSIONS", "FastspecConfig", "FastspecTrainer"]
 
@@ -53,6 +55,11 @@ def _check_version(version: str) -> None:
 
 
 _check_version(getattr(torchtitan, "__version__", "unknown"))
+
+
+def _rank() -> int:
+    """This process's global rank (0 without ``torch.distributed``)."""
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -89,9 +96,7 @@ class FastspecConfig:
         _args.integer("fastspec.every", self.every, minimum=1)
         _args.integer("fastspec.emit_every", self.emit_every, minimum=1)
         _args.real("fastspec.budget", self.budget, "a fraction in (0, 1) or None", lambda b: 0 < b < 1, optional=True)
-        if not (self.ffn_rows in ("auto", "all") or (isinstance(self.ffn_rows, int) and not isinstance(self.ffn_rows, bool)
-                                                     and self.ffn_rows >= 1)):
-            raise ValueError(f"fastspec.ffn_rows: expected 'auto', 'all' or an int >= 1, got {self.ffn_rows!r}")
+        check_ffn_rows("fastspec.ffn_rows", self.ffn_rows)
         _args.choice("fastspec.emit_on", self.emit_on, ("rank0", "all"))
         _args.text("fastspec.prefix", self.prefix)
         for pattern in self.modules:
@@ -148,7 +153,7 @@ class FastspecTrainer(Trainer):
                                       f"got {len(self.model_parts)} (pipeline parallelism is not supported)")
         pd = self.parallel_dims
         group = None
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        if is_distributed():
             # the ranks whose tokens differ (data and context parallel) merge their covariances;
             # without them, a group of this rank alone: never None, which would merge over the
             # world, TP ranks (other heads) included. A collective emission also keeps every
@@ -185,7 +190,7 @@ class FastspecTrainer(Trainer):
         if not new:
             return
         self.fastspec_records.extend(new)
-        if cfg.emit_on == "all" or not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        if cfg.emit_on == "all" or _rank() == 0:
             self._fastspec_log(new, cfg.prefix)
 
     def _fastspec_log(self, records: list, prefix: str) -> None:
@@ -199,8 +204,7 @@ class FastspecTrainer(Trainer):
 
     # -------------------------------------------------------------- checkpoint
     def _fastspec_key(self) -> str:
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        return f"fastspec/rank{rank}"
+        return f"fastspec/rank{_rank()}"
 
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()

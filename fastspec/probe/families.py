@@ -282,29 +282,26 @@ def resolve_family(model: nn.Module, needs_family: bool, prerope_keys: bool, fam
     :class:`Family`); else an HF model's by ``config.model_type`` (Llama layout with a warning when
     unknown); else the one whose ``model_classes`` names the model's class (OLMo-core,
     TorchTitan). None for any other model, which then may only have ``modules`` sites."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
     if family is not None:
         model_type, family = _chosen_family(family)
+    elif model_type is not None:
+        family = FAMILIES.get(model_type)
+        if family is None:
+            warnings.warn(f"fastspec.Probe: model_type {model_type!r} is not in fastspec.probe.FAMILIES; "
+                          f"assuming the Llama layout for FFN/Q-K-norm sites (register it: docs/protocols.md, "
+                          f"or pass ffn=False)",
+                          stacklevel=3)
+            family = DEFAULT_FAMILY
+    elif (found := _family_of_class(model)) is not None:
+        model_type, family = found
+    elif needs_family:
+        raise ValueError("model: keys/queries/ffn/prerope_keys sites need a Hugging Face model "
+                         "(with .config.model_type), a model of a registered trainer (OLMo-core, "
+                         "TorchTitan) or family=...; for other models pass keys=False, ffn=False "
+                         "and choose sites with modules=")
     else:
-        config = getattr(model, "config", None)
-        model_type = getattr(config, "model_type", None)
-        found = _family_of_class(model) if model_type is None else None
-        if model_type is None and found is None:
-            if needs_family:
-                raise ValueError("model: keys/queries/ffn/prerope_keys sites need a Hugging Face model "
-                                 "(with .config.model_type), a model of a registered trainer (OLMo-core, "
-                                 "TorchTitan) or family=...; for other models pass keys=False, ffn=False "
-                                 "and choose sites with modules=")
-            return None
-        if found is not None:
-            model_type, family = found
-        else:
-            family = FAMILIES.get(model_type)
-            if family is None:
-                warnings.warn(f"fastspec.Probe: model_type {model_type!r} is not in fastspec.probe.FAMILIES; "
-                              f"assuming the Llama layout for FFN/Q-K-norm sites (register it: docs/protocols.md, "
-                              f"or pass ffn=False)",
-                              stacklevel=3)
-                family = DEFAULT_FAMILY
+        return None
     if prerope_keys:
         _check_prerope(model, model_type, family)
     return family

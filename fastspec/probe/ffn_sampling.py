@@ -78,14 +78,21 @@ def ffn_widths(model: nn.Module, family: Family | None) -> list[int]:
     return widths
 
 
+def check_ffn_rows(name: str, value: int | str) -> int | str:
+    """``value`` of ``Probe(ffn_rows=)`` (``"auto"``, ``"all"`` or a count >= 1, as an ``int``),
+    or a one-line error naming the argument ``name``."""
+    if isinstance(value, str) and value in ("auto", "all"):
+        return value
+    try:
+        return _args.integer(name, value, minimum=1)
+    except ValueError as e:  # (an ArgumentTypeError is one too) the message names every option
+        raise type(e)(f"{name}: expected 'auto', 'all' or an int >= 1, got {value!r}") from None
+
+
 def choose_ffn_rows(model: nn.Module, family: Family | None, ffn: bool, ffn_rows: int | str,
                      budget: float | None, row_step: int) -> tuple[int, float | None]:
     """``(k, FLOP share of full-rate FFN streaming)``: see ``Probe(ffn_rows=)`` and the module docstring."""
-    if not (isinstance(ffn_rows, str) and ffn_rows in ("auto", "all")):
-        try:
-            ffn_rows = _args.integer("ffn_rows", ffn_rows, minimum=1)
-        except ValueError as e:  # (an ArgumentTypeError is one too) the message names every option
-            raise type(e)(f"ffn_rows: expected 'auto', 'all' or an int >= 1, got {ffn_rows!r}") from None
+    ffn_rows = check_ffn_rows("ffn_rows", ffn_rows)
     if not ffn:
         return 1, None
     widths, params = ffn_widths(model, family), matmul_parameters(model)

@@ -123,14 +123,17 @@ def local_part(x: Tensor, head_axis: int | None, site: str) -> tuple[Tensor, int
     return x.to_local(), offset
 
 
+def _bhtd_rows(t):
+    """A ``[B, H, T, D]`` tensor as the rows view ``[B, T, H, D]``; anything else as it is."""
+    return t.transpose(1, 2) if isinstance(t, Tensor) and t.dim() == 4 else t
+
+
 def _from_bhtd(callback):
     """``callback(module, query, key)`` taking rows ``[B, T, H, D]``, as a callback taking the
     ``[B, H, T, D]`` of the attention interface (transposed views; other ranks pass as they are,
     for ``callback`` to skip)."""
     def bhtd(module, query, key):
-        def rows(t):
-            return t.transpose(1, 2) if isinstance(t, Tensor) and t.dim() == 4 else t
-        callback(module, rows(query), rows(key))
+        callback(module, _bhtd_rows(query), _bhtd_rows(key))
     return bhtd
 
 
