@@ -17,7 +17,7 @@ import types
 import pytest
 import torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.triton  # the GPU kit runs these on CUDA (benchmarks/gpu_run.py)
 
 import fastspec  # noqa: E402
@@ -191,13 +191,37 @@ def test_means_near_the_spread(dtype):
 @pytest.mark.parametrize("acc", [1, 2])
 @pytest.mark.parametrize("D", [64, 200], ids=["fused", "tiled"])
 @pytest.mark.parametrize("center", [True, False], ids=["centered", "raw"])
-def test_the_diagnostic_accumulations_compute_the_same_sums(acc, D, center):
-    # benchmarks/gpu_diag.py compares on a GPU where a block's products are summed (_gram_dot's
-    # ACC: 1 = the split's corrections, 2 = the whole block, in a per-block tile); each mode must
-    # still give the partials, within the same fp64-tied bound, split and tiled alike
+def test_the_block_accumulations_compute_the_same_sums(acc, D, center):
+    # where a block's products are summed (_gram_dot's ACC: 1 = the split's corrections, 2 = the
+    # whole block, in a per-block tile; 2 is the split's default, benchmarks/gpu_diag.py sweeps
+    # all): each mode must give the partials, within the same fp64-tied bound, split and tiled
     x = torch.randn(1, 96, 2, D, device=DEVICE) * torch.linspace(0.1, 2, D, device=DEVICE) \
         + torch.linspace(-3, 3, D, device=DEVICE)
     check_against_fp64(x.to(torch.float16), center=center, split=2, acc=acc)
+
+
+def test_the_launcher_passes_the_measured_accumulation_and_pipeline_depth(monkeypatch):
+    # what the H100 run of 2026-11-26 fixed (triton_update.block_accumulation, pipeline_stages):
+    # the centred 16-bit split sums each row block in its own tile (ACC=2), everything else
+    # accumulates in the dots; no launch pipelines more stages than its loop has row blocks
+    launches = []
+    real = tu._cov_partials_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append(kw)
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(tu, "_cov_partials_kernel", Spy())
+    x = torch.randn(2, 24, 2, 64, device=DEVICE) * 2 + 3
+    for dtype, center, acc in [(torch.float16, True, 2), (torch.float16, False, 0), (torch.float32, True, 0)]:
+        check_against_fp64(x.to(dtype), center=center)
+        kw = launches[-1]
+        assert (kw["ACC"], kw["SPLIT_BF16"]) == (acc, acc == 2)
+        assert kw["num_stages"] <= triton.cdiv(2 * 24, kw["BT"])
+    assert launches[1]["num_stages"] == 2  # raw 16-bit wants 4; its one program has 2 blocks
 
 
 def test_a_launch_configuration_can_be_given_and_acc_is_checked():
@@ -405,6 +429,13 @@ def test_launch_config_one_wave_and_bounded_workspace(monkeypatch):
     # the fp32 workspace stays under a quarter of the bytes of x it summarizes
     assert keys.split * 128 * 128 * 4 <= 8 * 2048 * 128 * 2 / 4
     assert tu.launch_config(8 * 2048, 8, 128, cuda, 2, center=True).num_stages == 3
+    # never more load-pipeline stages than the shortest program's row blocks (4 stages over 2
+    # blocks raced on an H100): [2, 24, 2, 128] raw is 2 blocks of 32 rows in one program
+    assert tu.launch_config(2 * 24, 2, 128, cuda, 2, center=False).num_stages == 2
+    assert tu.pipeline_stages(4, 16384, 1024, 16, 32) == 4
+    assert tu.pipeline_stages(4, 3 * 32, 96, 1, 32) == 3
+    assert tu.pipeline_stages(3, 1025, 1024, 2, 32) == 1  # the last program has one row
+    assert tu.pipeline_stages(4, 0, 32, 1, 32) == 1
     for S in (1, 5, 12, 40, 200):  # never a partial second wave
         cfg = tu.launch_config(1 << 20, S, 128, cuda, 2)
         assert S * cfg.split <= max(132, S)
@@ -557,7 +588,7 @@ def sass_stats(cubin):
 out = {}
 for dt, center, D, ntile in [("bf16", True, 128, 1), ("fp16", False, 2048, 16), ("fp32", True, 128, 1)]:
     consts = dict(HAS_MASK=True, FUSED_STATUS=ntile == 1, CENTER=center, SPLIT_BF16=center and dt != "fp32",
-                  UPCAST=False, PRECISION="ieee", ACC=0, NTILE=ntile, TK_GE_BT=True, BT=32 if dt != "fp32" else 16,
+                  UPCAST=False, PRECISION="ieee", ACC=tu.block_accumulation(center and dt != "fp32"), NTILE=ntile, TK_GE_BT=True, BT=32 if dt != "fp32" else 16,
                   BD=128)
     code = build(K._cov_partials_kernel, {"p_x": "*" + dt, **ptrs}, consts, 8).asm["ptx"]
     out[dt] = {"wgmma": code.count("wgmma.mma_async"), "tf32": code.count("tf32")}
@@ -565,7 +596,8 @@ for dt, center, D, ntile in [("bf16", True, 128, 1), ("fp16", False, 2048, 16), 
 for center in (False, True):
     cfg = tu.launch_config(8 * 2048, 8, 128, torch.device("cpu"), 2, split=16, center=center)
     consts = dict(HAS_MASK=True, FUSED_STATUS=True, CENTER=center, SPLIT_BF16=center, UPCAST=False,
-                  PRECISION="ieee", ACC=0, NTILE=cfg.NTILE, TK_GE_BT=True, BT=cfg.BT, BD=cfg.BD)
+                  PRECISION="ieee", ACC=tu.block_accumulation(center), NTILE=cfg.NTILE, TK_GE_BT=True,
+                  BT=cfg.BT, BD=cfg.BD)
     k = build(K._cov_partials_kernel, {"p_x": "*bf16", **ptrs}, consts, cfg.num_warps, cfg.num_stages, True)
     out["keys", center] = sass_stats(k.asm["cubin"])
 build(K._center_kernel, {"p_x": "*bf16", **ptrs}, dict(HAS_MASK=True, ROUND_TO_INPUT=True, NC=64, BD=64), 4)
@@ -577,7 +609,9 @@ print(json.dumps({str(k): v for k, v in out.items()}))
 # and 3.9 give, with some room): the design envelope in triton_kernels.py is built on these
 KEYS_LOOP_BOUNDS = {
     False: dict(loop=210, BAR=2, SHFL=0),  # measured 184 (3.9) / 184 (3.6), 2 barriers
-    True: dict(loop=460, BAR=8, SHFL=0),  # measured 414 (3.9) / 399 (3.6), 7 / 4 barriers
+    # centred with its block tile (ACC=2): measured 502 (3.9) / 484 (3.6), 7 / 4 barriers
+    # (414 / 399 when the dots accumulated into G, ACC=0)
+    True: dict(loop=540, BAR=8, SHFL=0),
 }
 
 

@@ -68,7 +68,7 @@ Byte/flop arithmetic (H100 SXM: ~3.35 TB/s HBM, ~990 TFLOP/s dense bf16; H200: 4
   × 128 SMs = 3.1 MB. issue: 8 warps × 184 / 4 schedulers = 368 cycles per block, × 32 blocks
   = 6.7 µs at 1.75 GHz (before: 922 cycles, 16.9 µs: issue bound). So uncentered ≈ 12.5 µs,
   ~2.7 TB/s ≈ 80 % of HBM (before: ≈ 18 µs, ~55 %), plus the split sum (8.4 MB from L2, one
-  small torch kernel). Centered: issue (8 warps × 414 / 4) = 828 cycles per block (15 µs) overlapping
+  small torch kernel). Centered: issue (8 warps × 414 / 4; 502 since the split sums each block in its own tile) = 828 (1004) cycles per block (15 (18) µs) overlapping
   the 4 dots (17 GFLOP, ~18 µs at ~95 % of peak): ≈ 20 µs, compute bound (a per-block "skip
   the lo dots when lo ≡ 0" branch would recover large-mean data; not done).
 * The torch per-head path (``reference.py``) reads x, writes an fp32 copy, reads it back for an
@@ -86,6 +86,15 @@ Byte/flop arithmetic (H100 SXM: ~3.35 TB/s HBM, ~990 TFLOP/s dense bf16; H200: 4
   host work, not the kernel. The centred FFN case ran 22.4 ms (prediction: 2-3 ms uncentred, 4 dots per block centred). On that GPU, fp16
   uncentered at D = 128 was 1.7 % off, and the centered split was 30-60× less accurate than torch
   fp32 (see ``benchmarks/gpu_diag.py``). The interpreter passes both.
+  MEASURED on one H100 (2026-11-26, Triton 3.6): the uncentered keys kernel 21.4 µs under ncu
+  (1.68 TB/s, 50 % of DRAM peak; 192 registers, 12.5 % occupancy, 128 programs on 132 SMs,
+  0.51 eligible warps per scheduler); the CUDA-graphed launch 36.9 µs uncentered, 75.6 µs
+  centered; 131 µs of host time per call. ``gpu_diag.py accuracy`` explained both failures:
+  (1) 4 pipeline stages over a loop of 2 row blocks race (sums change between launches, up to
+  19 % off; 2-3 stages or >= 3 blocks are exact), so the launcher caps the stages at the
+  shortest program's block count (``pipeline_stages``); (2) the split's accuracy is lost in
+  the tensor cores' accumulation: summing each block in its own tile (``ACC=2``) brings it to
+  1.2-1.4× torch fp32, so the split uses it (``block_accumulation``). Neither fix is timed yet.
 """
 from __future__ import annotations
 
@@ -228,13 +237,14 @@ def _gram_dot(b_a, b_b, b_acc, SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr, P
     SPLIT_BF16: the fp32 blocks are split hi + lo in bf16 (16 significant bits) and the four
     bf16 products summed, so every d that needs <= 16 bits is multiplied exactly.
     UPCAST (interpreter): bf16/fp16 operands go through fp32, where their products are exact.
-    ACC (diagnostics, ``benchmarks/gpu_diag.py accuracy``; 0 everywhere else): where the block's
-    products are summed. 0: every dot accumulates into ``b_acc`` (the tensor core's own
-    accumulation). 1: the split's three correction dots go to a per-block accumulator that is
-    added to ``b_acc`` by an fp32 add. 2: the whole block is summed in a per-block accumulator
-    and added to ``b_acc`` by an fp32 add. 1 and 2 hold a second [BM, BN] fp32 tile (they spill
-    at BD = 128); they exist to find out on a GPU whether the accumulation inside the matrix
-    instructions is what costs the split its accuracy there.
+    ACC: where the block's products are summed (the launcher's ``block_accumulation``: 2 for
+    the split, 0 otherwise; ``benchmarks/gpu_diag.py accuracy`` sweeps all three).
+    0: every dot accumulates into ``b_acc`` (the tensor core's own accumulation). 1: the split's
+    three correction dots go to a per-block accumulator that is added to ``b_acc`` by an fp32
+    add. 2: the whole block is summed in a per-block accumulator and added to ``b_acc`` by an
+    fp32 add. 1 and 2 hold a second [BM, BN] fp32 tile. On an H100 the split lost 35-59x
+    torch's accuracy with 0 and 1.2-1.4x with 2: the accumulation inside the matrix
+    instructions, not the split, was what cost the bits.
     """
     if SPLIT_BF16:
         b_ah = _round_to_bf16(b_a)

@@ -40,7 +40,7 @@ from .. import _args
 from .reference import CovPartials, covariance_partials_reference
 from .triton_kernels import _center_kernel, _cov_partials_kernel, _row_status_kernel
 
-__all__ = ["covariance_partials_triton", "launch_config"]
+__all__ = ["covariance_partials_triton", "block_accumulation", "launch_config", "pipeline_stages"]
 
 # rows sampled for the center; enough to put c within ~std/8 of the mean
 CENTER_ROWS = 64
@@ -137,10 +137,45 @@ def launch_config(N: int, S: int, D: int, device: torch.device, elem_bytes: int,
         split = max(1, min(target, triton.cdiv(N, min_rows)))
     split = _args.integer("split", split, minimum=1)
     rps = triton.cdiv(triton.cdiv(max(N, 1), split), BT) * BT
+    split = triton.cdiv(max(N, 1), rps)
     # deeper load pipeline where the loop is memory bound (16-bit, uncentered, fused); the
     # centered split (4 dots per block) is compute bound and keeps Triton's default
     stages = 4 if NTILE == 1 and elem_bytes == 2 and not center else 3
-    return LaunchConfig(BD, NTILE, BT, num_warps, triton.cdiv(max(N, 1), rps), rps, stages)
+    return LaunchConfig(BD, NTILE, BT, num_warps, split, rps, pipeline_stages(stages, N, rps, split, BT))
+
+
+def pipeline_stages(wanted: int, N: int, rows_per_split: int, split: int, BT: int) -> int:
+    """``wanted`` load-pipeline stages, but never more than the shortest program's row blocks.
+
+    On an H100 (Triton 3.6, 2026-11-26, ``benchmarks/gpu_diag.py accuracy``) the fused kernel
+    with 4 stages gave wrong sums that changed from launch to launch (a race, errors up to 19 %)
+    whenever a program's loop had 2 row blocks: fp16 and bf16 ``[2, 24, 2, 128]`` with 32-row
+    blocks, and ``[2, 64, 2, 128]`` with 64-row blocks. The same launches with 3 or 2 stages,
+    and 4 stages over 3 or more blocks, were exact. Capping the stages at the loop's trip count
+    keeps every measured failing launch off that path; inputs that small gain nothing from a
+    deep pipeline anyway.
+    """
+    last = max(N, 1) - (split - 1) * rows_per_split  # the last program's rows (the fewest)
+    return max(1, min(wanted, triton.cdiv(min(rows_per_split, last), BT)))
+
+
+def block_accumulation(split_bf16: bool) -> int:
+    """Where a row block's products are summed (``_gram_dot``'s ``ACC``): 2 for the centred split.
+
+    Measured on an H100 (Triton 3.6, 2026-11-26, ``benchmarks/gpu_diag.py accuracy``): the
+    centred hi + lo split, its four dots accumulating into ``G`` inside the tensor-core
+    instructions (``ACC=0``), was 35-59x less accurate than torch float32 on channels whose
+    means lie near their spread; its three correction dots summed apart (``ACC=1``), 9-18x;
+    the whole block summed in its own tile and added to ``G`` by an fp32 add (``ACC=2``),
+    1.2-1.4x. The tensor cores' accumulation, not the split, loses the bits. Uncentred 16-bit
+    products are exact and a single dot per block: they keep ``ACC=0`` (0.9-1.9x torch there).
+    Cost of the second fp32 tile, compiled for sm_90 (Triton 3.6 / 3.9, masked rows): the
+    centred keys kernel (``BD = 128``, 32-row blocks) 234 -> 252 / 229 -> 240 registers, no
+    spills, row loop 399 -> 484 / 414 -> 502 instructions per warp (+21 %); the tiled FFN kernel
+    214 -> 255 / 212 -> 255 registers, an 8 / 24 byte stack (2 / 0 spill instructions in the
+    loop), loop +8 % / +4 %. Not yet timed on a GPU.
+    """
+    return 2 if split_bf16 else 0
 
 
 def _check(x: Tensor, mask: Tensor | None, row_step: int) -> int:
@@ -162,7 +197,7 @@ def _check(x: Tensor, mask: Tensor | None, row_step: int) -> int:
 
 def covariance_partials_triton(x: Tensor, mask: Tensor | None = None, row_step: int = 1,
                                center: bool = True, *, split: int | None = None,
-                               config: LaunchConfig | None = None, acc: int = 0) -> CovPartials:
+                               config: LaunchConfig | None = None, acc: int | None = None) -> CovPartials:
     """FP32 partials of one chunk ``x: [B, T, S, D]`` (any strides), ``mask: [B, T]`` or None.
 
     Rows ``x[b, t]`` for ``t = 0, k, 2k, ...`` (``k = row_step``) with ``mask[b, t]`` true are
@@ -174,7 +209,7 @@ def covariance_partials_triton(x: Tensor, mask: Tensor | None = None, row_step: 
 
     Diagnostics and tests only (``benchmarks/gpu_diag.py``): ``config`` replaces
     :func:`launch_config`'s tiling (its ``BD``/``NTILE`` must suit ``D``), ``acc`` picks where the
-    kernel sums a block's products (``_gram_dot``'s ``ACC``; 0, the default, is the only tuned one).
+    kernel sums a block's products (``_gram_dot``'s ``ACC``; ``None``: :func:`block_accumulation`).
     """
     row_step = _check(x, mask, row_step)
     if x.dtype == torch.float64:
@@ -190,10 +225,11 @@ def covariance_partials_triton(x: Tensor, mask: Tensor | None = None, row_step: 
         return CovPartials(zeros, torch.zeros(S, D, **f32), torch.zeros(S, D, **f32),
                            torch.zeros(S, D, D, **f32), zeros.clone())
     cfg = launch_config(N, S, D, dev, x.element_size(), split, bool(center)) if config is None else config
-    acc = _args.choice("acc", _args.integer("acc", acc, minimum=0), (0, 1, 2))
     fused = cfg.NTILE == 1
     lowp = x.dtype in (torch.bfloat16, torch.float16)
     split_bf16 = bool(center) and lowp
+    acc = block_accumulation(split_bf16) if acc is None else acc
+    acc = _args.choice("acc", _args.integer("acc", acc, minimum=0), (0, 1, 2))
     if mask is not None:
         mask = mask if mask.dtype == torch.bool else mask != 0
         mask = mask.view(torch.uint8)  # same bytes; triton loads bool pointers unevenly across versions
