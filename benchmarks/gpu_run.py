@@ -241,9 +241,11 @@ class Run:
                     "--time-limit", cap]
         if step.kind == "tests":
             # the GPU tests are mostly Triton compiles (CPU work): 8 workers where xdist is
-            # installed (the GPU machines have it); serial, 130 s ran 30% of them (2026-11-26)
+            # installed (the GPU machines have it); serial, 130 s ran 30% of them (2026-11-26).
+            # -v names each test as it ends: a step cut by its cap (SIGKILL before pytest's
+            # summary) still says which failed; the H100 run's had 5 F's and no names
             workers = ["-n", "8"] if importlib.util.find_spec("xdist") else []
-            return [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rfE", "--full",
+            return [py, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-o", "addopts=", "-rfE", "--full",
                     *workers, "-m", "gpu or triton", "tests"]
         if step.kind == "diag":
             return [py, "benchmarks/gpu_diag.py", step.suite, "--time-limit", cap, *dry]

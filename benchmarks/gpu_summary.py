@@ -27,6 +27,9 @@ from fastspec.bench.suites import SUITES as SUITE_ORDER
 from fastspec.bench.table import fmt_time, overhead_text
 
 PYTEST_CLOSING = re.compile(r"^=*\s*(\d+ (passed|failed|skipped|deselected|errors?)\b|no tests ran)")
+# a failing test in ``pytest -v`` output: serial (``NODEID FAILED [ 3%]``), under xdist
+# (``[gw2] [ 3%] FAILED NODEID``) and pytest's own -rfE summary (``FAILED NODEID - ...``)
+PYTEST_FAILED = re.compile(r"(?:^|\s)(?:(FAILED|ERROR) (tests/\S+)|(tests/\S+) (FAILED|ERROR)\b)")
 
 
 def _load(path: Path) -> dict | None:
@@ -153,8 +156,14 @@ def summary(out: Path, bench: dict | None) -> list[str]:
         lines += [ln for ln in diag.read_text(errors="replace").splitlines()
                   if re.match(DIAG_LINE, ln)]
     tests = out / "tests.txt"
-    if tests.exists():  # pytest's closing line of each tests step
-        lines += [f"tests: {ln.strip('= ')}" for ln in tests.read_text().splitlines() if PYTEST_CLOSING.match(ln)]
+    if tests.exists():  # pytest's closing line of each tests step, and every failing test once
+        text = tests.read_text(errors="replace").splitlines()
+        lines += [f"tests: {ln.strip('= ')}" for ln in text if PYTEST_CLOSING.match(ln)]
+        failed: dict[str, str] = {}
+        for ln in text:
+            for m in PYTEST_FAILED.finditer(ln):
+                failed.setdefault(m[2] or m[3], m[1] or m[4])
+        lines += [f"tests: {what} {name}" for name, what in failed.items()]
     return lines
 
 

@@ -431,6 +431,19 @@ def test_the_summary_keeps_the_diagnostics_rows_not_the_profiler_tables(tmp_path
     assert [ln.split()[0] for ln in lines[3:]] == ["case", "raw", "measure:", "train-step:"], lines
 
 
+def test_the_summary_names_each_failing_test_even_when_pytest_was_cut_off(tmp_path):
+    # the H100 run's tests step was killed at its cap before pytest's summary: 5 F's, no names
+    (tmp_path / "tests.txt").write_text(
+        "[gw0] [  1%] PASSED tests/test_a.py::test_ok\n"
+        "[gw3] [  2%] FAILED tests/test_covariance_triton.py::test_head_widths[raw-128-fp16]\n"
+        "tests/test_b.py::test_serial[x] FAILED                [  3%]\n"
+        "[gw1] [  4%] ERROR tests/test_c.py::test_setup\n"
+        "FAILED tests/test_covariance_triton.py::test_head_widths[raw-128-fp16] - AssertionError: 0.017\n")
+    lines = [ln for ln in gpu_summary.summary(tmp_path, None) if ln.startswith("tests:")]
+    assert lines == ["tests: FAILED tests/test_covariance_triton.py::test_head_widths[raw-128-fp16]",
+                     "tests: FAILED tests/test_b.py::test_serial[x]", "tests: ERROR tests/test_c.py::test_setup"]
+
+
 def test_the_sanitizer_counts_kernel_errors_not_host_api_errors():
     # the H200 run's memcheck failed on 34 cuGetProcAddress API errors of cuda-bindings' loader
     for mode in ("memcheck", "racecheck"):
