@@ -12,6 +12,10 @@ each swept over the launch settings, so that one GPU run says which setting is a
 * ``split``: the centred hi + lo split on channels whose means lie near their spread
   (``test_means_near_the_spread``: 30-60× torch float32's error).
 
+The H100 run (2026-11-26) found both causes: 4 pipeline stages over a loop of 2 row blocks race,
+and the split loses its accuracy in the tensor cores' accumulation (``acc`` 0); the launcher
+now avoids both, so each case's first row (the launcher's own choice) checks the fixes and the
+rows after it, which still ask for the failing settings, keep showing the failures.
 A row is one setting (dtype, T, rows per block BT, warps, pipeline stages, ``acc``: where the
 products are summed, see ``_gram_dot``) with the kernel's relative error of the second moment
 against float64 (the largest of 3 fresh draws), torch float32's error on the same draws, their
@@ -94,7 +98,7 @@ def accuracy_rows(dry: bool) -> list[tuple[str, dict, Callable]]:
     import torch
     import triton
 
-    from fastspec.covariance.triton_update import launch_config
+    from fastspec.covariance.triton_update import launch_config, pipeline_stages
 
     D = 128
     dev = _device(dry)
@@ -112,15 +116,20 @@ def accuracy_rows(dry: bool) -> list[tuple[str, dict, Callable]]:
         cfg = launch_config(N, 2 if not center else 1, D, dev, 2, None, center)
         BT = BT or cfg.BT
         rps = triton.cdiv(triton.cdiv(N, cfg.split), BT) * BT
-        return cfg._replace(BT=BT, num_warps=warps or cfg.num_warps, num_stages=stages or cfg.num_stages,
-                            rows_per_split=rps, split=triton.cdiv(N, rps))
+        split = triton.cdiv(N, rps)
+        stages = stages or pipeline_stages(cfg.num_stages, N, rps, split, BT)
+        return cfg._replace(BT=BT, num_warps=warps or cfg.num_warps, num_stages=stages, rows_per_split=rps,
+                            split=split)
 
     rows = []
-    # (BT, warps, stages, acc); None: the launcher's own choice
-    raw_settings = [(None, None, None, 0), (None, None, 3, 0), (None, None, 2, 0), (16, 4, None, 0),
-                    (64, 8, None, 0), (None, None, None, 2)]
-    split_settings = [(None, None, None, 0), (None, None, None, 1), (None, None, None, 2), (None, None, 2, 0),
-                      (16, 4, None, 0)]
+    # (BT, warps, stages, acc); None: the launcher's own choice. The first row of each case is
+    # the launcher's whole choice (what the library runs); the others vary one setting, among
+    # them the H100 run's failing ones (4 stages over 2 row blocks; the split accumulating
+    # into G, acc 0), which still show the failure the defaults now avoid
+    raw_settings = [(None, None, None, None), (None, None, 4, 0), (None, None, 3, 0), (16, 4, 4, 0),
+                    (64, 8, 4, 0), (None, None, 4, 2)]
+    split_settings = [(None, None, None, None), (None, None, None, 0), (None, None, None, 1), (None, None, 2, None),
+                      (16, 4, None, None)]
     if dry:
         raw_settings, split_settings = raw_settings[:1] + raw_settings[-1:], split_settings[:2]
     def raw(dtype, T):
@@ -150,10 +159,13 @@ def accuracy(dry: bool, limit: float | None) -> int:
     print(f"{'case':<10} {'dtype':<6} {'BT':>3} {'warps':>5} {'stages':>6} {'acc':>3}  "
           f"{'kernel err':>10} {'torch err':>10} {'ratio':>8}  moving")
     not_run = 0
+    from fastspec.covariance.triton_update import block_accumulation
+
     for name, s, make in rows:
         cfg, dtype = s["config"], s["dtype"]
+        acc = block_accumulation(name == "split") if s["acc"] is None else s["acc"]  # 16-bit input only
         label = (f"{name:<10} {str(dtype).removeprefix('torch.'):<6} {cfg.BT:>3} {cfg.num_warps:>5} "
-                 f"{cfg.num_stages:>6} {s['acc']:>3}")
+                 f"{cfg.num_stages:>6} {acc:>3}")
         if clock.left() < 0:
             not_run += 1
             continue

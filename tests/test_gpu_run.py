@@ -537,7 +537,10 @@ def test_dry_run_of_the_whole_plan_offline_with_tools_and_anchors_missing(tmp_pa
         assert doc["gpu_run"]["runs"][-1]["dry_run"] is True
         assert doc["gpu_run"]["runs"][-1]["command"] == str(command)
         for step in gpu_run.PLAN[command]:
-            assert re.search(rf"step {re.escape(step.name)}: (ok|reused)", log), (command, step.name, log)
+            # the tests step may reach its cap (on the H100 too): its SIGINT still lets pytest
+            # print its summary, checked below; on 2 CPU cores its interpreted tests took 67-82 s
+            done = "ok|reused|capped after" if step.kind == "tests" else "ok|reused"
+            assert re.search(rf"step {re.escape(step.name)}: ({done})", log), (command, step.name, log)
         skipped = [r["skipped"] for r in doc["results"] if r.get("baseline") == "jax.numpy.linalg.eigvalsh"]
         if command in (1, 2):
             assert skipped and all(s.startswith("jax not importable: ImportError: jax hidden by tests/")
@@ -559,7 +562,9 @@ def test_dry_run_of_the_whole_plan_offline_with_tools_and_anchors_missing(tmp_pa
               if r["size"].startswith("compile-") and "fastspec_s" in r]
     assert builds and all(r["fastspec_error"] == 0 for r in builds)
     tests = (tmp_path / "out1" / "tests.txt").read_text()
-    assert re.search(r"\d+ passed", tests) and "failed" not in tests  # the Triton tests, interpreted
+    # the Triton tests, interpreted; -v names every test, so look for outcomes, not the word
+    assert re.search(r"\d+ passed", tests) and not re.search(r"\d+ failed", tests), tests[-3000:]
+    assert not gpu_summary.PYTEST_FAILED.search(tests), tests[-3000:]
     ncu, sanitizer = ((tmp_path / f"out{c}" / "tools.txt").read_text() for c in (2, 3))
     assert "ncu: skipped: probe failed: rc 1: ==ERROR== Failed to initialize the profiler: LibraryNotLoaded" in ncu
     assert "compute-sanitizer: skipped: probe failed: rc 255: ========= Error: Device not supported" in sanitizer
@@ -568,7 +573,10 @@ def test_dry_run_of_the_whole_plan_offline_with_tools_and_anchors_missing(tmp_pa
     assert "ncu: skipped" in logs[2] and "compute-sanitizer: skipped" in logs[3]
     # the diagnostics ran, interpreted: the accuracy rows and the profile's timing lines reach the summary
     accuracy = (tmp_path / "out1" / "diag.txt").read_text()
-    assert re.search(r"^raw T=24 +float16 +32 +8 +4 +0 +[\d.e+-]+ +[\d.e+-]+ +[\d.e+-]+ +no$", accuracy, re.MULTILINE), accuracy
+    # the launcher's own choice first: 2 load stages for the 2 row blocks of T = 24, acc 0 (raw);
+    # the split's own choice sums each block in its tile (acc 2)
+    assert re.search(r"^raw T=24 +float16 +32 +8 +2 +0 +[\d.e+-]+ +[\d.e+-]+ +[\d.e+-]+ +no$", accuracy, re.MULTILINE), accuracy
+    assert re.search(r"^split +float16 +\d+ +\d+ +\d+ +2 ", accuracy, re.MULTILINE), accuracy
     # gpu_diag's own failure lines ("<row>  ERROR ...", "<part>: ERROR ..."); not Kineto's stderr,
     # which torch's CUDA builds print on a machine without a GPU ("ERROR:... gpuGetDeviceCount")
     own_error = re.compile(r"(  ERROR |^[\w-]+: ERROR )", re.MULTILINE)
