@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import fastspec
-from fastspec.eig import cuda, dispatch, limits, native, nvrtc, precompile
+from fastspec.eig import cuda, dispatch, limits, native, nvrtc, precompile, variants
 from fastspec.eig.matrices import make_batch
 from fastspec.eig.reference import eigvalsh_reference
 
@@ -255,9 +255,14 @@ class FakeDriver(types.SimpleNamespace):
 
 @pytest.fixture
 def fake_gpu(monkeypatch, cache):
-    """cuda.py against FakeDriver on CPU tensors: an H100's plan, stream 1234."""
+    """cuda.py against FakeDriver on CPU tensors: an H100's plan, stream 1234.
+
+    The launch plumbing of the default (block) algorithm: the selection table is emptied, since
+    the shipped one holds the H100 race's rows for sm_90 (test_eig_variants.py and the GPU tests
+    cover the selection)."""
     def install(n: int, version: int = 13000) -> FakeDriver:
         drv = FakeDriver(n, version)
+        monkeypatch.setattr(variants, "_rows", [[]])
         monkeypatch.setattr(cuda, "_driver", lambda: drv)
         monkeypatch.setattr(cuda.DeviceSpec, "of_device", classmethod(lambda cls, index: H100))
         monkeypatch.setattr(cuda, "_loaded", {})
