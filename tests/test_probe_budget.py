@@ -19,7 +19,7 @@ from fastspec.probe.ffn_sampling import (
     ffn_flop_share,
     matmul_parameters,
 )
-from fastspec.probe.timer import WorkTimer
+from fastspec.probe.timer import StepClock, WorkTimer
 
 
 class TickClock:
@@ -231,7 +231,8 @@ def test_measure_is_not_timed_as_streaming_overhead():
     assert clock.reads == 0
     with probe.streaming():
         model(**batch(B=2, T=8))
-    assert clock.reads == 2 * 2  # streaming captures are timed: 2 layers, start + stop
+    # streaming captures are timed (2 layers, start + stop); detaching notes when a pause may start
+    assert clock.reads == 2 * 2 + 1
 
 
 def _simulate(*, budget, every, emit_every, capture_s, emit_s, steps=160, step_s=1.0):
@@ -395,3 +396,83 @@ def test_cuda_records_arrive_asynchronously_and_match_cpu():
     for k, v in want.items():
         assert got[k] == pytest.approx(v, rel=1e-3, abs=1e-6), k  # fp32 eigensolve on CUDA
     assert torch.cuda.is_available()
+
+
+def test_step_clock_leaves_out_pauses_while_detached():
+    clock = ManualClock()
+    sc = StepClock(clock)
+    assert sc.lap() is None  # the first step has no start
+    clock.advance(2.0)
+    assert sc.lap() == 2.0
+    clock.advance(1.0)
+    sc.detached()            # e.g. evaluation, or another model trained: not a step with the probe
+    clock.advance(10.0)
+    sc.detached()            # detaching twice keeps the first time
+    clock.advance(5.0)
+    sc.attached()
+    clock.advance(2.0)
+    assert sc.lap() == 3.0   # 1 + 2 s, without the 15 s detached
+    # a detached span that a step closes belongs to it (streaming() around each forward only)
+    clock.advance(1.0)
+    sc.detached()
+    clock.advance(4.0)       # backward and optimizer run after the forwards' context ended
+    assert sc.lap() == 5.0
+    clock.advance(0.5)       # data loading before the next forward: still part of the step
+    sc.attached()
+    clock.advance(1.5)
+    assert sc.lap() == 2.0
+
+
+def _slow_probe(capture_s: float, clock, **kw):
+    """A gpt2 probe (keys only) whose captured forwards cost ``capture_s`` on ``clock``."""
+    model = build("gpt2")
+    probe = fastspec.Probe(model, ffn=False, emit_every=1000, clock=clock, **kw)
+    update = probe._totals.update
+
+    def slow_update(*args, **kwargs):
+        clock.advance(capture_s / 2)  # 2 layers of keys per captured forward
+        return update(*args, **kwargs)
+
+    probe._totals.update = slow_update
+    return model, probe
+
+
+def test_probe_overhead_leaves_out_time_detached_between_steps():
+    # issue 39: blocks of probed steps alternating with blocks of a probe-free twin (or an
+    # evaluation) in the same loop. The twin's block used to count as one long probed step and
+    # made the reported overhead read ~35% low
+    clock = ManualClock()
+    model, probe = _slow_probe(0.05, clock)
+    inputs = batch(B=2, T=8)
+    step = 0
+    for block in range(4):
+        probe.attach()
+        for _ in range(5):
+            model(**inputs)
+            clock.advance(1.0)  # the step's own work
+            probe.step(step)
+            step += 1
+        probe.detach()
+        clock.advance(5.0)      # the twin's 5 steps, the probe detached
+    ov = probe.overhead()
+    assert ov["base_s"] == pytest.approx(19 * 1.0)  # every step but the first has a start
+    assert ov["work_s"] == pytest.approx(19 * 0.05)
+    assert ov["measured"] == pytest.approx(0.05)
+    assert ov["average"] == pytest.approx(0.05)
+
+
+def test_probe_overhead_with_streaming_around_each_forward_counts_the_whole_step():
+    # `with probe.streaming(): forward` then backward, optimizer and step() while detached: the
+    # detached span that step() closes is the step's own, as is the data loading after it
+    clock = ManualClock()
+    model, probe = _slow_probe(0.1, clock)
+    inputs = batch(B=2, T=8)
+    for step in range(6):
+        clock.advance(0.5)      # data loading
+        with probe.streaming():
+            model(**inputs)
+        clock.advance(1.5)      # backward and optimizer
+        probe.step(step)
+    ov = probe.overhead()
+    assert ov["base_s"] == pytest.approx(5 * 2.0)
+    assert ov["measured"] == pytest.approx(0.1 / 2.0)

@@ -2,7 +2,7 @@
 honestly, and the capture/emission intervals that keep it under a budget.
 
 **What is counted.** Two kinds of work per training step (the interval between two
-:meth:`Probe.step` calls): *capture* work (every streaming capture in a hook: masking, sampling,
+:meth:`Probe.step` calls, less the time the probe spent detached in between: ``timer.StepClock``): *capture* work (every streaming capture in a hook: masking, sampling,
 the covariance update) and *emission* work (computing the metrics, packing the records and
 resetting the accumulators inside :meth:`Probe.step`), timed without syncing the device and
 handed here step by step once a step's timings are complete (``timer.py``). Not counted: the

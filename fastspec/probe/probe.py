@@ -68,7 +68,7 @@ from .measurement import Measurement
 from .record import Record
 from .routing import Router
 from .sites import CONVENTIONS, Collector, module_sites
-from .timer import WorkTimer
+from .timer import StepClock, WorkTimer
 
 __all__ = ["RECORD_METRICS", "SPECTRUM_METRICS", "SYNC_MODES", "Probe"]
 
@@ -227,7 +227,7 @@ class Probe:
                                 process_group=process_group)
         self._history = History()
         self._steps_seen = 0
-        self._last_step_t: float | None = None
+        self._clock = StepClock(self._timer.clock)  # each step's seconds, pauses while detached left out
         self._flush_allowed = False        # one step() after detach() is a final one, not a mistake
         self._warned_step = False
         self._warned_sites: set[str] = set()  # sites a streaming emission warned about (once each)
@@ -425,14 +425,18 @@ class Probe:
         """
         self._hooks.install()
         self._router.streaming = True
+        self._clock.attached()
         return self
 
     def detach(self) -> None:
         """Stop streaming and remove every hook (accumulators and history are kept). The next
-        :meth:`step` may still emit what was accumulated (a final step after training)."""
+        :meth:`step` may still emit what was accumulated (a final step after training). Until
+        :meth:`attach`, time passes as a pause that no step's time includes, unless a
+        :meth:`step` comes first (then the span is that step's: its backward ran in it)."""
         self._flush_allowed = self._router.streaming or self._flush_allowed
         self._router.streaming = False
         self._hooks.remove()
+        self._clock.detached()
 
     def close(self) -> None:
         """Remove every hook, as hook libraries' ``close()`` does: the same as :meth:`detach`
@@ -466,7 +470,10 @@ class Probe:
           interval, a multiple of ``emit_every``, is ``overhead()["emit_every"]``);
         * times the probe's work (captures and emission; captures in a compiled graph by
           comparing captured and idle step times) against the step time and, with ``budget``,
-          chooses the capture and emission intervals (``budget.py``);
+          chooses the capture and emission intervals (``budget.py``). The step time runs from
+          the previous call, less any time the probe spent detached in between: detach it for
+          work that is not a training step (evaluation, another model), or that time counts
+          as training and the reported overhead reads low (``timer.StepClock``);
         * decides whether the next step's forwards are captured (one step in ``every``).
 
         Under ``torch.distributed`` (``sync`` not ``"none"``) emission is a collective: every rank
@@ -509,8 +516,7 @@ class Probe:
             if self.reset_after_emit:
                 self._totals.reset()
             self._timer.stop(token, "emit")
-        now = self._timer.clock()
-        step_s = None if self._last_step_t is None else now - self._last_step_t
+        step_s = self._clock.lap()
         # each step's work is judged with that step's time and flags, once its CUDA events are done
         # captures inside a compiled graph are untimed: the budget judges them by step times
         in_graph = self._router.captured_in_graph
@@ -519,7 +525,6 @@ class Probe:
         for work, (s, captured, emitted, untimed) in self._timer.close_step(tag):
             if s is not None:
                 budget.observe(None if untimed else work["capture"], work["emit"], s, captured, emitted)
-        self._last_step_t = now
         self._router.capture_this_step = budget.capture_due(self._steps_seen)
         return self._flush(block=False, stacklevel=3)
 
@@ -538,7 +543,9 @@ class Probe:
         * ``"average"``: expected overhead per step at the current intervals (captured and idle
           steps, emitting or not), ``"capture"`` + ``"emission"`` (``budget.py``); what the
           ``overhead_fraction`` record reports;
-        * ``"measured"``: all probe work so far / all probe-free step time so far;
+        * ``"measured"``: all probe work so far / all probe-free step time so far, i.e.
+          ``"work_s"`` / ``"base_s"``, those two totals in seconds (their changes between two
+          calls give the overhead of the steps in between);
         * ``"fraction"``: the last accounted step's work / its probe-free time;
         * ``"every"``, ``"emit_every"``: current capture and (effective) emission intervals;
         * ``"ffn_rows"``, ``"ffn_row_step"``, ``"ffn_share"``: FFN token sampling (every
@@ -547,7 +554,8 @@ class Probe:
         """
         b = self._budget
         return {"fraction": b.last_fraction, "average": b.average_fraction, "capture": b.capture_fraction,
-                "emission": b.emit_fraction, "measured": b.measured_fraction, "every": b.every,
+                "emission": b.emit_fraction, "measured": b.measured_fraction, "work_s": b.work_s,
+                "base_s": b.base_s, "every": b.every,
                 "emit_every": b.emit_every, "ffn_rows": self.ffn_rows, "ffn_row_step": self.sites.ffn_row_step,
                 "ffn_share": self.ffn_share}
 

@@ -9,6 +9,11 @@ the training stream. A step's work is handed out with that step's tag (its step 
 captured, whether it emitted) once all its events have completed: without host syncs the host
 can run a step or more ahead of the GPU, and adding late events to whichever step is current
 would credit a captured step's cost to an idle one. What the times are used for: ``budget.py``.
+
+The step time itself (:class:`StepClock`) runs from one :meth:`Probe.step` call to the next, less
+any time the probe spent detached between two such calls: evaluation, another model trained in
+between, a pause with the probe switched off are not a training step with the probe, and counted
+as one they would make the probe's work look cheaper than it is.
 """
 from __future__ import annotations
 
@@ -60,3 +65,36 @@ class WorkTimer:
                 work[kind] += s.elapsed_time(e) / 1e3
             done.append((work, t))
         return done
+
+
+class StepClock:
+    """Seconds of each training step (between two :meth:`Probe.step` calls), less the time the
+    probe spent detached in between.
+
+    A detached span that ends (:meth:`attached`) before the next step is a pause, left out; one
+    that a step closes (``step()`` right after ``detach()``, as with a ``streaming()`` context
+    around each step's forwards) is part of that step: the backward and optimizer ran in it.
+    """
+
+    def __init__(self, clock: Callable[[], float]):
+        self.clock = clock
+        self._last: float | None = None       # the previous step's end
+        self._paused = 0.0                    # pause seconds since then
+        self._off_since: float | None = None  # detached since (a span no step has closed yet)
+
+    def detached(self) -> None:
+        if self._off_since is None:
+            self._off_since = self.clock()
+
+    def attached(self) -> None:
+        if self._off_since is not None:
+            self._paused += self.clock() - self._off_since
+            self._off_since = None
+
+    def lap(self) -> float | None:
+        """End the current step: its seconds (None for the first one), and start the next."""
+        now = self.clock()
+        step_s = None if self._last is None else now - self._last - self._paused
+        # a detached span closed by this step belongs to it; what follows counts from here
+        self._last, self._paused, self._off_since = now, 0.0, None
+        return step_s
