@@ -11,7 +11,8 @@ A GPU comes rarely, for 15 minutes of device time (the machine's start included)
 command, and is released 30 s after a command ends; so a visit is two prepared commands run back
 to back, each at most :data:`COMMAND_LIMIT` seconds in the worst case, :data:`PLAN_LIMIT` for
 the two, the most wanted numbers first. Command 3 holds what the first run (H200, 2026-11-26)
-already measured once; run it only when the lease has its worst case left. Every step is its
+already measured once, and the budget row (the CPU row's model: seconds); run it only when the
+lease has its worst case left. Every step is its
 own process group under a time cap: a ``fastspec bench`` / ``compare`` / tool step gets its cap
 as ``--time-limit`` (no new case starts after it), a signal (SIGTERM; SIGINT for pytest, which
 then prints its summary) comes ``grace`` seconds later and ends the case in flight, keeping
@@ -147,7 +148,9 @@ PLAN: dict[int, tuple[Step, ...]] = {
         _bench("probe", 35, 10, "key rank from keys in memory vs svdvals (exact, fast)", REST),
         Step("sanitize", "sanitize", 40, 5, "compute-sanitizer memcheck + racecheck: one small eig and cov launch"),
         Step("compare", "compare", 30, 10, "accuracy on the hard matrix families (fastspec compare)"),
-        _bench("train_step_compiled", 150, 15, "compiled train step (inductor), 8 layers of the 1.5B shape"),
+        _bench("budget", 25, 5, "the budget row: overhead the probe reports vs real (twin, same model), "
+               "budgets 2% and 5%, the CPU row's d_model-256 model"),
+        _bench("train_step_compiled", 125, 15, "compiled train step (inductor), 8 layers of the 1.5B shape"),
         SUMMARY),
 }
 DEST = {"tests": "tests.txt", "ncu": "tools.txt", "sanitize": "tools.txt", "diag": "diag.txt"}

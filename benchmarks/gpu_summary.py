@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from fastspec.bench.suites import SUITES as SUITE_ORDER
-from fastspec.bench.table import fmt_time, overhead_text
+from fastspec.bench.table import budget_text, fmt_time, overhead_text
 
 PYTEST_CLOSING = re.compile(r"^=*\s*(\d+ (passed|failed|skipped|deselected|errors?)\b|no tests ran)")
 # a failing test in ``pytest -v`` output: serial (``NODEID FAILED [ 3%]``), under xdist
@@ -109,7 +109,10 @@ def row_line(r: dict) -> str:
         line += (f"  compile {r['probed_compile_s']:.0f}+{r['baseline_compile_s']:.0f} s, graphs "
                  f"{r['probed_graphs']:g}+{r['baseline_graphs']:g}, recompiles {r['recompiles']:g}, "
                  f"breaks {r['graph_breaks']:g}")
-    if r.get("budget_average_pct") is not None:  # a budget case: what the probe itself reports
+    if "real_overhead_pct" in r:  # the budget suite: real vs reported over one paired run
+        line += (f"  {budget_text(r)}, every {r['budget_every']:g}, emit every {r['budget_emit_every']:g}, "
+                 f"{r['rounds']:g} rounds, {r['emissions']:g} emissions")
+    elif r.get("budget_average_pct") is not None:  # a budget case: what the probe itself reports
         line += (f"  budget reports {r['budget_average_pct']:.2f}% (measured "
                  f"{_pct(r.get('budget_measured_pct'))}), every {r['budget_every']}, FFN row step {r['ffn_row_step']}")
     if "error" in r:

@@ -476,3 +476,17 @@ def test_probe_overhead_with_streaming_around_each_forward_counts_the_whole_step
     ov = probe.overhead()
     assert ov["base_s"] == pytest.approx(5 * 2.0)
     assert ov["measured"] == pytest.approx(0.1 / 2.0)
+
+
+def test_capturing_says_which_steps_the_schedule_captures():
+    clock = ManualClock()
+    model, probe = _slow_probe(0.0, clock, every=3)
+    seen = []
+    with probe.streaming():
+        for step in range(7):
+            seen.append(probe.capturing)
+            model(**batch(B=2, T=8))
+            clock.advance(1.0)
+            probe.step(step)
+    assert seen == [True, False, False, True, False, False, True]
+    assert probe.overhead()["every"] == 3

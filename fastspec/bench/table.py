@@ -103,6 +103,15 @@ def overhead_text(row: dict) -> str:
     return _within_noise(row, "≈0") or f"{row['overhead_pct']:+.1f}%{_single(row)}"
 
 
+def budget_text(row: dict) -> str:
+    """A ``budget`` suite row (:mod:`fastspec.bench.suites.budget`): the real overhead against the
+    twin (and the same model detached) beside what the probe reported over the same steps."""
+    rep, ratio = row.get("reported_pct"), row.get("reported_to_real")
+    return (f"real {row['real_overhead_pct']:+.2f}% (same model {row['same_model_overhead_pct']:+.2f}%), "
+            f"reported {'-' if rep is None else f'{rep:.2f}%'}"
+            f"{'' if ratio is None else f' (×{ratio:.2f})'}, budget {row['budget_pct']:g}%")
+
+
 def bench_cells(row: dict) -> dict[str, str]:
     """One result row as table cells (see :mod:`fastspec.bench.runner` for the fields)."""
     cells = {k: "" for k in BENCH_COLUMNS}
@@ -121,6 +130,8 @@ def bench_cells(row: dict) -> dict[str, str]:
         cells["throughput"] = f"{row['fastspec_rate']:.3g} vs {row['baseline_rate']:.3g} {row['rate_unit']}"
     if "overhead_pct" in row:
         cells["throughput"] = f"overhead {overhead_text(row)} of step"
+    if "real_overhead_pct" in row:
+        cells["throughput"] = budget_text(row)
     acc = f"{row['error_kind']}: {fmt_num(row['fastspec_error'])}"
     if row.get("baseline_error") is not None:
         acc += f" (baseline {fmt_num(row['baseline_error'])})"
@@ -215,6 +226,8 @@ def _compact_cells(row: dict) -> dict[str, str]:
     cells = {"size": row["size"], "variant": row["variant"], "fastspec": fmt_time(row["fastspec_s"]),
              "baseline": fmt_time(row["baseline_s"]) + scaled,
              "speedup": speedup_text(row), "overhead": overhead_text(row) if "overhead_pct" in row else ""}
+    if "real_overhead_pct" in row:  # a budget row: its overhead is the long paired run's, not the medians'
+        cells["overhead"] = budget_text(row)
     if "rate_unit" in row:
         cells["rate"] = f"{row['fastspec_rate']:.3g} vs {row['baseline_rate']:.3g}"
     err = fmt_num(row["fastspec_error"])

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 TIERS = ("quick", "cpu", "gpu")
-SUITES = ("eigvalsh", "covariance", "keyrank", "train_step", "probe", "train_step_compiled")
+SUITES = ("eigvalsh", "covariance", "keyrank", "train_step", "probe", "budget", "train_step_compiled")
 
 
 def add_time_limit(p: argparse.ArgumentParser) -> None:

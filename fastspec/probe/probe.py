@@ -221,7 +221,8 @@ class Probe:
         scope = ForwardScope(self.model)
         self._router = Router(self._totals, scope, self._timer, self.row_step,
                               cuda_graphs=_args.flag("cuda_graphs", cuda_graphs))
-        self._hooks = Hooks(self.model, self.sites, self.family, self._router.capture, self._router.slot, scope)
+        self._hooks = Hooks(self.model, self.sites, self.family, self._router.capture, self._router.slot, scope,
+                            wanted=self._router.wanted)
         self._hooks.check()  # a site that matches no module fails here, not at the first measure/attach
         self._emitter = Emitter(self.model, self.family, gamma=keys or queries or prerope_keys, sync=sync,
                                 process_group=process_group)
@@ -531,6 +532,12 @@ class Probe:
     # read-only views of the settings, under the attribute names they had before settings existed
     precision = property(lambda self: self.settings.precision, doc="Products' precision (``settings.precision``).")
     backend = property(lambda self: self.settings.backend, doc="Covariance update backend (``settings.backend``).")
+
+    @property
+    def capturing(self) -> bool:
+        """Whether the schedule captures the forwards of the current step (the one the next
+        :meth:`step` call ends), while attached."""
+        return self._router.capture_this_step
 
     @property
     def every(self) -> int:

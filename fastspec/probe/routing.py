@@ -161,6 +161,12 @@ class Router:
         for slot in self._slots.values():
             slot.acc = slot.gate = None
 
+    def wanted(self) -> bool:
+        """Whether a capture made now would be kept: always while dynamo traces (a graph's
+        captures are gated by :meth:`gate` at run time), else :meth:`destination` is not None.
+        The hooks ask this first, so an idle step's callbacks do no work (``hooks.Hooks``)."""
+        return torch.compiler.is_compiling() or self.destination() is not None
+
     def destination(self) -> Collector | None:
         """Where a capture made now goes (None: dropped)."""
         if not self.scope.active:

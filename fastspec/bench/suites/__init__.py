@@ -18,6 +18,9 @@ Suites (see benchmarks/README.md), in the order ``fastspec bench`` runs them:
 * ``probe`` (:mod:`~fastspec.bench.suites.probe`): what the probe costs on top of the work it
   rides on (``Probe.measure`` vs the plain forward, keys-only streaming vs the plain step) and
   the key-rank computation alone vs ``svdvals`` per head.
+* ``budget`` (:mod:`~fastspec.bench.suites.budget`): the overhead a budgeted probe reports
+  against what it really costs (a twin model and the same model without the probe, interleaved
+  step by step), at budgets of 2% and 5%.
 * ``train_step_compiled`` (:mod:`~fastspec.bench.suites.train_step`): ``train_step`` with both
   sides through ``torch.compile(fullgraph=True)`` (inductor on CUDA, ``aot_eager`` on CPU).
   Last: its compilation is the slowest setup of all.
@@ -28,7 +31,7 @@ import torch
 
 from ..case import Case, check_tier, default_device
 
-SUITES = ("eigvalsh", "covariance", "keyrank", "train_step", "probe", "train_step_compiled")
+SUITES = ("eigvalsh", "covariance", "keyrank", "train_step", "probe", "budget", "train_step_compiled")
 
 
 def cases(suite: str, tier: str, device: torch.device | None = None) -> list[Case]:
@@ -45,6 +48,8 @@ def cases(suite: str, tier: str, device: torch.device | None = None) -> list[Cas
         from .train_step import train_step_cases as build
     elif suite == "probe":
         from .probe import probe_cases as build
+    elif suite == "budget":
+        from .budget import budget_cases as build
     elif suite == "train_step_compiled":
         from .train_step import train_step_compiled_cases as build
     else:

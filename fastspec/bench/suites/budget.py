@@ -1,0 +1,198 @@
+"""``budget`` suite: is the overhead the probe reports what it really costs, and does its budget hold?
+
+One case per budget (:data:`BUDGETS`, 2% and 5%): a Llama-shaped model in a plain training loop
+(forward, backward, AdamW) with ``Probe(model, keys=True, ffn=True, budget=B, emit_every=10)``,
+against two probe-free baselines timed in the same run:
+
+* the **twin**: a deep copy of the model with its own AdamW, trained on the same batch;
+* the **same model** with the probe detached (no hook, no ``probe.step``): the same tensors at the
+  same addresses, so what differs from the probed step is the probe alone. The twin's own
+  difference (memory placement) shows as the gap between the two real overheads.
+
+**How it is timed** (:func:`paired_run`). Steps are interleaved one by one, a round = one step
+of each kind in an order that cycles through all six (:data:`ORDERS`), so load drifting over the
+run and the cache cost of switching models land on all three alike; per-step times are so noisy on a shared CPU
+(the 10th to 90th percentile of one step spans ±20%) that blocks of 15 steps, five rounds of
+them, moved the real overhead by ±5 points between runs. The probe is attached just before its
+step and detached after it, both outside the timed part; a detached span between two
+``probe.step`` calls is a pause the probe leaves out of its step time (``fastspec/probe/timer.py``),
+so its accounting sees exactly the probed steps. After :data:`WARMUP_ROUNDS` rounds (the first
+emission and the budget's first plan land there) the window runs for the tier's
+:data:`WINDOW_S` seconds and then to the next emission (for at most as long again), so that it
+holds whole emission periods.
+
+Row fields (besides the runner's, whose times are the short interleaved medians every case gets):
+
+* ``real_overhead_pct``: Σ probed step times / Σ twin step times − 1 over the window, in %
+  (means, not medians: the emissions are part of the cost); ``same_model_overhead_pct``: the
+  same against the detached steps of the same model;
+* ``reported_pct``: what the probe's own totals say over the same steps
+  (Δ ``overhead()["work_s"]`` / Δ ``overhead()["base_s"]``), and ``reported_to_real`` its ratio
+  to ``real_overhead_pct``; ``budget_measured_pct`` and ``budget_average_pct``: ``overhead()``'s
+  ``"measured"`` (since the probe started: the warm-up included) and ``"average"`` at the end;
+* ``budget_pct``, ``real_to_budget``; ``budget_every``, ``budget_emit_every``, ``ffn_row_step``:
+  the intervals the budget chose; ``rounds``, ``emissions`` in the window.
+
+Accuracy: |Δloss| of the probed model with the probe attached (claim 0: the hooks must not
+change the numbers). The overhead figures are measurements, reported, never asserted.
+
+Shapes: ``cpu`` and ``gpu`` (the same row on a GPU, fp32) are d_model 256, 4 layers, 4 query and
+4 KV heads of 64, d_ff 768, vocab 512, 4 × 128 tokens; ``quick`` is tiny, for CI.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+
+import torch
+
+from .. import models
+from ..case import Case, Inputs, exactly_zero
+from ..timing import time_once
+
+BUDGETS = (0.02, 0.05)
+EMIT_EVERY = 10
+SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+             head_dim=64, intermediate_size=768, vocab_size=512)
+SHAPES = {"quick": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                        head_dim=16, intermediate_size=192, vocab_size=128),
+          "cpu": SHAPE, "gpu": SHAPE}
+TOKENS = {"quick": (2, 32), "cpu": (4, 128), "gpu": (4, 128)}  # (batch, sequence)
+WARMUP_ROUNDS = {"quick": 12, "cpu": 15, "gpu": 30}
+WINDOW_S = {"quick": 1.0, "cpu": 240.0, "gpu": 4.0}
+"""Seconds of timed rounds per case before the window waits for its closing emission: on the
+2-core CPU a round is ~0.65 s, so 240 s hold ~370 probed steps, about two emission periods
+under the 2% budget (~190 steps each)."""
+KINDS = ("twin", "same model", "probed")
+ORDERS = tuple(itertools.permutations(KINDS))
+"""A round's order, cycling through all six: each kind follows each other kind equally often (a
+step right after one of the same model finds its weights in cache; after the twin's, it does not)."""
+
+
+def budget_cases(tier: str, device: torch.device) -> list[Case]:
+    return [_budget_case(tier, device, b) for b in BUDGETS]
+
+
+def _train(model, opt, ids: torch.Tensor) -> None:
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def paired_run(inp: Inputs, device: torch.device, warmup_rounds: int, window_s: float) -> dict:
+    """The interleaved run of the module docstring; returns the row fields it defines."""
+    probe, model, twin, ids = inp["probe"], inp["model"], inp["twin"], inp["ids"]
+    step = inp["step"]
+    state: dict = {}
+
+    def probed() -> None:
+        probe.step(step[0])
+        # whether this step emitted (its records reach the host later on CUDA): the budget knows
+        state["emitted"] = probe._budget.last_emit == probe._steps_seen
+        step[0] += 1
+
+    def probed_step() -> float:
+        probe.attach()  # outside the timed part: a pause for the probe's step clock, too
+        state["captured"], before = probe.capturing, probe.overhead()["work_s"]
+        try:
+            return time_once(lambda: (_train(model, inp["opt"], ids), probed()), device)
+        finally:
+            probe.detach()
+            state["work"] = probe.overhead()["work_s"] - before
+
+    timed = {"twin": lambda: time_once(lambda: _train(twin, inp["twin_opt"], ids), device),
+             "same model": lambda: time_once(lambda: _train(model, inp["opt"], ids), device),
+             "probed": probed_step}
+    rounds: list[dict] = []  # the window's: each kind's seconds, and what the probed step did
+    start = deadline = None
+    for r in itertools.count():
+        if r == warmup_rounds:  # the window starts: what came before is not counted
+            start, deadline = probe.overhead(), time.monotonic() + window_s
+        times = {kind: timed[kind]() for kind in ORDERS[r % len(ORDERS)]}
+        if start is None:
+            continue
+        rounds.append({**times, **state})
+        now = time.monotonic()
+        # whole emission periods: once the time is up, stop at an emission (at the latest after
+        # as long again, e.g. when the budget has spaced emissions out beyond the window)
+        if now > deadline and (state["emitted"] or now > deadline + window_s):
+            break
+    end = probe.overhead()
+    totals = {kind: sum(r[kind] for r in rounds) for kind in KINDS}
+    work, base = end["work_s"] - start["work_s"], end["base_s"] - start["base_s"]
+    real = 100 * (totals["probed"] / totals["twin"] - 1)
+    reported = 100 * work / base if base > 0 else None
+    budget = 100 * inp["budget"]
+
+    def pct(v):
+        return None if v is None else 100 * v
+
+    return {"real_overhead_pct": real,
+            "same_model_overhead_pct": 100 * (totals["probed"] / totals["same model"] - 1),
+            "reported_pct": reported,
+            "reported_to_real": None if reported is None or real == 0 else reported / real,
+            "budget_measured_pct": pct(end["measured"]), "budget_average_pct": pct(end["average"]),
+            "budget_pct": budget, "real_to_budget": real / budget,
+            "budget_every": end["every"], "budget_emit_every": end["emit_every"],
+            "ffn_row_step": end["ffn_row_step"], "rounds": len(rounds),
+            "emissions": sum(r["emitted"] for r in rounds),
+            **_per_kind(rounds, per_step_work=device.type != "cuda")}
+
+
+def _per_kind(rounds: list[dict], per_step_work: bool) -> dict:
+    """Where the overhead goes, per kind of probed step (idle, captured, emitting): how many,
+    the mean paired excess over the same model's step of the same round, in ms, and (on CPU,
+    where a step's work is accounted within its own ``step()``; on CUDA it is read later) the
+    mean work the probe reported for them."""
+    groups = {"idle": [r for r in rounds if not r["captured"] and not r["emitted"]],
+              "capture": [r for r in rounds if r["captured"] and not r["emitted"]],
+              "emit": [r for r in rounds if r["emitted"]]}
+    out = {}
+    for name, rs in groups.items():
+        out[f"{name}_steps"] = len(rs)
+        out[f"{name}_excess_ms"] = 1e3 * sum(r["probed"] - r["same model"] for r in rs) / len(rs) if rs else None
+        if name != "idle":
+            out[f"{name}_reported_ms"] = 1e3 * sum(r["work"] for r in rs) / len(rs) if rs and per_step_work else None
+    return out
+
+
+def _budget_case(tier: str, device: torch.device, budget: float) -> Case:
+    shape, tokens = SHAPES[tier], TOKENS[tier]
+
+    def setup() -> Inputs:
+        import fastspec
+
+        # fp32 on every tier (build_llama's "cpu" dtype): the GPU runs the same row as the CPU
+        model = models.build_llama("cpu", device, shape=shape).train()
+        twin = copy.deepcopy(model)  # its own tensors, trained by its own optimizer
+        probe = fastspec.Probe(model, keys=True, ffn=True, budget=budget, emit_every=EMIT_EVERY)
+        return {"model": model, "twin": twin, "probe": probe, "budget": budget, "step": [0],
+                "ids": models.tokens(tokens, shape["vocab_size"], device),
+                "opt": torch.optim.AdamW(model.parameters(), lr=1e-5),
+                "twin_opt": torch.optim.AdamW(twin.parameters(), lr=1e-5)}
+
+    def probed(inp: Inputs) -> None:  # the runner's short timing, under the streaming context
+        _train(inp["model"], inp["opt"], inp["ids"])
+        inp["probe"].step(inp["step"][0])
+        inp["step"][0] += 1
+
+    def twin(inp: Inputs) -> None:
+        _train(inp["twin"], inp["twin_opt"], inp["ids"])
+
+    def check(inp: Inputs) -> dict:
+        model, ids = inp["model"], inp["ids"]
+        with torch.no_grad():
+            base = model(input_ids=ids, labels=ids).loss
+            with inp["probe"].streaming():
+                probed_loss = model(input_ids=ids, labels=ids).loss
+        fields = paired_run(inp, device, WARMUP_ROUNDS[tier], WINDOW_S[tier])
+        return {"fastspec_error": float((probed_loss.double() - base.double()).abs()),
+                "baseline_error": None, **fields}
+
+    return Case(suite="budget", size="train_step-" + models.size_id("cpu", shape, tokens),
+                variant=f"budget={budget:g}-emit_every={EMIT_EVERY}", setup=setup, fastspec=probed,
+                baselines={"twin training step (deep copy, own AdamW)": twin}, check=check,
+                error_kind="|Δloss| with probe", claim=exactly_zero(), skip=models.requirements(),
+                fastspec_context=lambda inp: inp["probe"].streaming())
