@@ -25,7 +25,7 @@ def test_budget_suite_has_one_case_per_budget_on_the_issue_model():
         got = [(c.suite, c.variant, list(c.baselines), c.claim.text) for c in cases("budget", tier, CPU)]
         assert got == [("budget", f"budget={b:g}-emit_every=10", ["twin training step (deep copy, own AdamW)"], "= 0")
                        for b in (0.02, 0.05)]
-    # the CPU row is the setting of the issue, and a GPU runs the same row
+    # the CPU row is the setting the under-report was found on, and a GPU runs the same row
     assert budget_suite.SHAPES["cpu"] == budget_suite.SHAPES["gpu"] == dict(
         hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
         intermediate_size=768, vocab_size=512)

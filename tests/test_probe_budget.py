@@ -438,8 +438,8 @@ def _slow_probe(capture_s: float, clock, **kw):
 
 
 def test_probe_overhead_leaves_out_time_detached_between_steps():
-    # issue 39: blocks of probed steps alternating with blocks of a probe-free twin (or an
-    # evaluation) in the same loop. The twin's block used to count as one long probed step and
+    # blocks of probed steps alternating with blocks of a probe-free twin (or an evaluation)
+    # in the same loop. The twin's block used to count as one long probed step and
     # made the reported overhead read ~35% low
     clock = ManualClock()
     model, probe = _slow_probe(0.05, clock)
