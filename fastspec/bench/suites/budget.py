@@ -11,9 +11,9 @@ against two probe-free baselines timed in the same run:
 
 **How it is timed** (:func:`paired_run`). Steps are interleaved one by one, a round = one step
 of each kind in an order that cycles through all six (:data:`ORDERS`), so load drifting over the
-run and the cache cost of switching models land on all three alike; per-step times are so noisy on a shared CPU
-(the 10th to 90th percentile of one step spans ±20%) that blocks of 15 steps, five rounds of
-them, moved the real overhead by ±5 points between runs. The probe is attached just before its
+run and the cache cost of switching models land on all three alike; per-step times are so noisy
+on a shared CPU (the 10th to 90th percentile of one step spans ±20%) that blocks of 15 steps,
+five rounds of them, moved the real overhead by ±5 points between runs. The probe is attached just before its
 step and detached after it, both outside the timed part; a detached span between two
 ``probe.step`` calls is a pause the probe leaves out of its step time (``fastspec/probe/timer.py``),
 so its accounting sees exactly the probed steps. After :data:`WARMUP_ROUNDS` rounds (the first
@@ -31,7 +31,11 @@ Row fields (besides the runner's, whose times are the short interleaved medians 
   to ``real_overhead_pct``; ``budget_measured_pct`` and ``budget_average_pct``: ``overhead()``'s
   ``"measured"`` (since the probe started: the warm-up included) and ``"average"`` at the end;
 * ``budget_pct``, ``real_to_budget``; ``budget_every``, ``budget_emit_every``, ``ffn_row_step``:
-  the intervals the budget chose; ``rounds``, ``emissions`` in the window.
+  the intervals the budget chose; ``rounds``, ``emissions`` in the window;
+* where it goes (:func:`_per_kind`): for the probed steps that were idle, captured or emitted,
+  ``{idle,capture,emit}_steps`` (how many), ``_excess_ms`` (the mean excess over the same
+  model's step of the same round) and, on CPU, ``{capture,emit}_reported_ms`` (the mean work
+  the probe timed for them).
 
 Accuracy: |Δloss| of the probed model with the probe attached (claim 0: the hooks must not
 change the numbers). The overhead figures are measurements, reported, never asserted.
