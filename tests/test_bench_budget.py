@@ -94,6 +94,11 @@ def test_budget_rows_show_real_beside_reported(monkeypatch):
     assert text.startswith(f"real {r['real_overhead_pct']:+.2f}% (same model {r['same_model_overhead_pct']:+.2f}%)")
     assert text.endswith("budget 2%")
     assert bench_cells(r)["throughput"] == text
+    # the terminal's narrow tables (at most 140 columns): the variant already names the budget
+    compact = budget_text(r, compact=True)
+    assert text.startswith(compact.replace("(same ", "(same model ")) and "budget" not in compact
+    assert len(budget_text({**r, "real_overhead_pct": -17.3, "same_model_overhead_pct": -13.55,
+                            "reported_pct": 10.0}, compact=True)) <= 44
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import gpu_summary

@@ -14,7 +14,7 @@ import pytest
 from fastspec.bench.accuracy import SIZES
 from fastspec.bench.case import Case, no_worse_than
 from fastspec.bench.suites import SUITES
-from fastspec.bench.table import noise_pct
+from fastspec.bench.table import budget_text, fmt_time, noise_pct
 from fastspec.cli import main
 from fastspec.eig.matrices import FAMILIES
 
@@ -116,7 +116,10 @@ def test_bench_quick_prints_narrow_tables_of_every_row(bench_doc):
             assert f"{r['suite']} vs {r['baseline']} · error: {r['error_kind']}" in lines
             shown = [line for line in lines if line.split()[:2] == [r["size"], r["variant"]]]
             assert shown, r
-            if noise_pct(r) is not None:  # a difference inside the noise is said to be noise
+            if "real_overhead_pct" in r:  # a budget row shows its paired run's means and overhead
+                assert any(budget_text(r, compact=True) in line and fmt_time(r["probed_mean_s"]) in line
+                           for line in shown), (r, shown)
+            elif noise_pct(r) is not None:  # a difference inside the noise is said to be noise
                 assert any("≈" in line or "inconclusive (noisy" in line for line in shown), (r, shown)
         else:
             assert " ".join(r["skipped"].split()) in flat, r

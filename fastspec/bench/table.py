@@ -103,13 +103,18 @@ def overhead_text(row: dict) -> str:
     return _within_noise(row, "≈0") or f"{row['overhead_pct']:+.1f}%{_single(row)}"
 
 
-def budget_text(row: dict) -> str:
+def budget_text(row: dict, compact: bool = False) -> str:
     """A ``budget`` suite row (:mod:`fastspec.bench.suites.budget`): the real overhead against the
-    twin (and the same model detached) beside what the probe reported over the same steps."""
+    twin (and the same model detached) beside what the probe reported over the same steps;
+    ``compact`` (the terminal's narrow tables, whose variant names the budget already): without
+    the ratio and the budget."""
     rep, ratio = row.get("reported_pct"), row.get("reported_to_real")
-    return (f"real {row['real_overhead_pct']:+.2f}% (same model {row['same_model_overhead_pct']:+.2f}%), "
-            f"reported {'-' if rep is None else f'{rep:.2f}%'}"
-            f"{'' if ratio is None else f' (×{ratio:.2f})'}, budget {row['budget_pct']:g}%")
+    same = "same" if compact else "same model"
+    text = (f"real {row['real_overhead_pct']:+.2f}% ({same} {row['same_model_overhead_pct']:+.2f}%), "
+            f"reported {'-' if rep is None else f'{rep:.2f}%'}")
+    if compact:
+        return text
+    return text + f"{'' if ratio is None else f' (×{ratio:.2f})'}, budget {row['budget_pct']:g}%"
 
 
 def bench_cells(row: dict) -> dict[str, str]:
@@ -226,8 +231,9 @@ def _compact_cells(row: dict) -> dict[str, str]:
     cells = {"size": row["size"], "variant": row["variant"], "fastspec": fmt_time(row["fastspec_s"]),
              "baseline": fmt_time(row["baseline_s"]) + scaled,
              "speedup": speedup_text(row), "overhead": overhead_text(row) if "overhead_pct" in row else ""}
-    if "real_overhead_pct" in row:  # a budget row: its overhead is the long paired run's, not the medians'
-        cells["overhead"] = budget_text(row)
+    if "real_overhead_pct" in row:  # a budget row: the long paired run's means and overhead, not the medians'
+        cells.update(fastspec=fmt_time(row["probed_mean_s"]), baseline=fmt_time(row["twin_mean_s"]),
+                     overhead=budget_text(row, compact=True))
     if "rate_unit" in row:
         cells["rate"] = f"{row['fastspec_rate']:.3g} vs {row['baseline_rate']:.3g}"
     err = fmt_num(row["fastspec_error"])

@@ -23,6 +23,9 @@ holds whole emission periods.
 
 Row fields (besides the runner's, whose times are the short interleaved medians every case gets):
 
+* ``probed_mean_s``, ``twin_mean_s``, ``same_model_mean_s``: mean step times over the window
+  (``fastspec bench``'s narrow tables show the first two: the runner's medians of a few steps are
+  no measure of a few percent);
 * ``real_overhead_pct``: Σ probed step times / Σ twin step times − 1 over the window, in %
   (means, not medians: the emissions are part of the cost); ``same_model_overhead_pct``: the
   same against the detached steps of the same model;
@@ -133,7 +136,9 @@ def paired_run(inp: Inputs, device: torch.device, warmup_rounds: int, window_s: 
     def pct(v):
         return None if v is None else 100 * v
 
-    return {"real_overhead_pct": real,
+    return {"probed_mean_s": totals["probed"] / len(rounds), "twin_mean_s": totals["twin"] / len(rounds),
+            "same_model_mean_s": totals["same model"] / len(rounds),
+            "real_overhead_pct": real,
             "same_model_overhead_pct": 100 * (totals["probed"] / totals["same model"] - 1),
             "reported_pct": reported,
             "reported_to_real": None if reported is None or real == 0 else reported / real,
