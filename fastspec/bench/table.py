@@ -109,12 +109,12 @@ def budget_text(row: dict, compact: bool = False) -> str:
     ``compact`` (the terminal's narrow tables, whose variant names the budget already): without
     the ratio and the budget."""
     rep, ratio = row.get("reported_pct"), row.get("reported_to_real")
-    same = "same" if compact else "same model"
-    text = (f"real {row['real_overhead_pct']:+.2f}% ({same} {row['same_model_overhead_pct']:+.2f}%), "
-            f"reported {'-' if rep is None else f'{rep:.2f}%'}")
-    if compact:
-        return text
-    return text + f"{'' if ratio is None else f' (×{ratio:.2f})'}, budget {row['budget_pct']:g}%"
+    real, same = row["real_overhead_pct"], row["same_model_overhead_pct"]
+    reported = "-" if rep is None else f"{rep:.2f}%"
+    if compact:  # under the "overhead" header: 44 columns at most, even at +1234.56%
+        return f"{real:+.2f}% (same {same:+.2f}%), reported {reported}"
+    return (f"real {real:+.2f}% (same model {same:+.2f}%), reported {reported}"
+            f"{'' if ratio is None else f' (×{ratio:.2f})'}, budget {row['budget_pct']:g}%")
 
 
 def bench_cells(row: dict) -> dict[str, str]:

@@ -66,8 +66,8 @@ SHAPES = {"quick": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads
                         head_dim=16, intermediate_size=192, vocab_size=128),
           "cpu": SHAPE, "gpu": SHAPE}
 TOKENS = {"quick": (2, 32), "cpu": (4, 128), "gpu": (4, 128)}  # (batch, sequence)
-WARMUP_ROUNDS = {"quick": 12, "cpu": 15, "gpu": 30}
-WINDOW_S = {"quick": 1.0, "cpu": 240.0, "gpu": 4.0}
+WARMUP_ROUNDS = {"quick": 3, "cpu": 15, "gpu": 30}
+WINDOW_S = {"quick": 0.2, "cpu": 240.0, "gpu": 4.0}
 """Seconds of timed rounds per case before the window waits for its closing emission: on the
 2-core CPU a round is ~0.65 s, so 240 s hold ~370 probed steps, about two emission periods
 under the 2% budget (~190 steps each)."""
