@@ -44,7 +44,8 @@ Accuracy: |Δloss| of the probed model with the probe attached (claim 0: the hoo
 change the numbers). The overhead figures are measurements, reported, never asserted.
 
 Shapes: ``cpu`` and ``gpu`` (the same row on a GPU, fp32) are d_model 256, 4 layers, 4 query and
-4 KV heads of 64, d_ff 768, vocab 512, 4 × 128 tokens; ``quick`` is tiny, for CI.
+4 KV heads of 64, d_ff 768, vocab 512, 4 × 128 tokens; ``quick`` is tiny, for CI. The untimed
+pytest check (``benchmarks/bench_budget.py``) runs every tier with the ``quick`` window.
 """
 from __future__ import annotations
 
