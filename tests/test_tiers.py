@@ -67,15 +67,25 @@ def test_gpu_tests_are_marked_one_way_and_slow_is_used():
     assert any("mark.slow" in f.read_text() for f in files)
 
 
-def test_ci_runs_the_full_tier():
-    """CI runs README's test command and the stages of .ci/run: each must ask for ``--full``."""
+def test_ci_runs_the_full_tier_and_the_kit_dry_run_under_the_gpu_stack():
+    """CI runs README's test command, which must ask for ``--full`` (every slow test runs once, on
+    the newest packages); the stages of .ci/run run the fast tier or more, and the GPU machines'
+    stage runs the GPU kit's dry run (slow) and the compiled captures in full."""
     readme = (ROOT / "README.md").read_text().splitlines()
     at = next(i for i, line in enumerate(readme) if "ci-test-command" in line)
     command = readme[at + 2]  # the marker, the fence, the command (what .ci/run reads)
     assert "pytest" in command and "--full" in command.split("pytest", 1)[1]
     ci = (ROOT / ".ci" / "run").read_text()
-    pytest_lines = [line for line in ci.splitlines() if "-m pytest" in line]
-    assert pytest_lines and all("--full" in line for line in pytest_lines)
+    assert "bash -c \"$cmd\"" in ci  # the newest stage runs that command as is
+    stage = ci.split("stage_gpu_stack() {", 1)[1].split("\n}\n", 1)[0]
+    full = re.search(r"^GPU_STACK_FULL=\((.*)\)$", ci, re.MULTILINE).group(1).split()
+    assert {"tests/test_gpu_run.py", "tests/test_probe_compile.py"} <= set(full)
+    assert all((ROOT / f).is_file() for f in full)
+    # the fast tier leaves those files to the full run, which names them
+    assert re.search(r'-m pytest .*tests benchmarks \\\n *"\$\{GPU_STACK_FULL\[@\]/#/--ignore=\}"', stage)
+    assert re.search(r'-m pytest .*--full "\$\{GPU_STACK_FULL\[@\]\}"', stage)
+    # a marker expression would override the tiers and the gpu marker's skip: none anywhere
+    assert not [line for line in ci.splitlines() if "-m pytest" in line and " -m " in line.split("-m pytest", 1)[1]]
 
 
 def _bench_conftest():
