@@ -16,8 +16,9 @@ on a shared CPU (the 10th to 90th percentile of one step spans ±20%) that block
 five rounds of them, moved the real overhead by ±5 points between runs. The probe is attached just before its
 step and detached after it, both outside the timed part; a detached span between two
 ``probe.step`` calls is a pause the probe leaves out of its step time (``fastspec/probe/timer.py``),
-so its accounting sees exactly the probed steps. After :data:`WARMUP_ROUNDS` rounds (the first
-emission and the budget's first plan land there) the window runs for the tier's
+so its accounting sees exactly the probed steps. After :data:`WARMUP_ROUNDS` rounds (at the
+``cpu`` and ``gpu`` tiers the first emission and the budget's first plan land there; the
+``quick`` tier's 3 rounds only check the code) the window runs for the tier's
 :data:`WINDOW_S` seconds and then to the next emission (for at most as long again), so that it
 holds whole emission periods.
 
