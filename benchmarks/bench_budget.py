@@ -5,8 +5,8 @@ Cases: ``fastspec.bench.suites.cases("budget", ...)``; parametrization and body:
 
 Untimed (``--benchmark-disable``, what the test tiers and CI run) the body checks the suite's code,
 not the overhead: at every size tier the paired run gets the ``quick`` tier's warm-up and window
-(the ``cpu`` tier's four-minute window, extended to the next emission, alone took ~10 minutes of
-CI's run for the two cases). Timed runs, and ``fastspec bench``, keep each tier's own.
+(the ``cpu`` tier's four-minute window, extended to the next emission, took ~10 minutes of a
+full-tier run on 2 CPU cores for the two cases). Timed runs, and ``fastspec bench``, keep each tier's own.
 """
 import pytest
 
