@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from fastspec.bench.suites import SUITES as SUITE_ORDER
-from fastspec.bench.table import budget_text, fmt_time, overhead_text
+from fastspec.bench.table import budget_text, clocked_time, overhead_text
 
 PYTEST_CLOSING = re.compile(r"^=*\s*(\d+ (passed|failed|skipped|deselected|errors?)\b|no tests ran)")
 # a failing test in ``pytest -v`` output: serial (``NODEID FAILED [ 3%]``), under xdist
@@ -93,7 +93,8 @@ def row_line(r: dict) -> str:
         return f"{head} skipped: {r['skipped']}"
     if "fastspec_s" not in r:
         return f"{head} ERROR: {r.get('error')}"
-    line = f"{head} {fmt_time(r['fastspec_s']):>9} vs {fmt_time(r['baseline_s']):>9}"
+    # on the device clock each side's time says so, with the host's launch time it hid
+    line = f"{head} {clocked_time(r, 'fastspec'):>9} vs {clocked_time(r, 'baseline'):>9}"
     if r.get("baseline_scale"):
         line += f" (slice x{r['baseline_scale']:g})"
     line += f"  {r['speedup']:.2f}x"

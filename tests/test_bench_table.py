@@ -258,6 +258,24 @@ def test_bench_text_is_one_narrow_table_per_baseline_with_notes_below():
     assert text.split("\n\n")[-1].startswith("≈1× / ≈0: within noise")  # the legend, last
 
 
+def test_device_clock_times_are_marked_and_the_host_time_is_shown_beside_them():
+    """A row timed on the device clock (the host's launch time hidden) says so in every view;
+    one timed on events, like the GPU runs before the device clock, stays unmarked."""
+    keys = {**_timed((20e-6, 21e-6, 22e-6), (60e-6, 64e-6, 70e-6)), "suite": "covariance", "size": "keys",
+            "variant": "auto", "baseline": "torch", "clock": "device", "baseline_clock": "device",
+            "fastspec_host_s": 131e-6, "baseline_host_s": 90e-6}
+    cells = bench_cells(keys)
+    assert cells["fastspec"] == "21 µs (device; host 131 µs)"
+    assert cells["baseline time"] == "64 µs (device; host 90 µs)"
+    half = {**keys, "baseline_clock": "events"}  # a baseline that synced: its launches stayed in
+    assert bench_cells(half)["baseline time"] == "64 µs"
+    text = bench_text([keys])
+    assert text.splitlines()[3].split()[2:6] == ["21", "µs†", "64", "µs†"]
+    assert text.split("\n\n")[-1].startswith("† device time")
+    events = {**keys, "clock": "events", "baseline_clock": "events"}
+    assert "†" not in bench_text([events]) and "device" not in bench_cells(events)["fastspec"]
+
+
 # ------------------------------------------------------------------------- fastspec compare: the bound
 def _acc(err: float, torch_err: float, family: str = "wishart") -> dict:
     from fastspec.bench.accuracy import within_bound

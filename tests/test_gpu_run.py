@@ -224,6 +224,10 @@ def test_summary_line_of_a_copy_row_gives_the_share_of_the_copy_bandwidth():
            "fastspec_rate": 1000.0, "baseline_rate": 2000.0, "copy_GBps": 4000.0,
            "pct_of_copy_bandwidth": 25.0, "fastspec_error": 1e-7, "baseline_error": None}
     assert "1e+03 GB/s read = 25% of the copy's 4e+03 GB/s" in gpu_summary.row_line(row)
+    assert " 20 µs vs     10 µs " in gpu_summary.row_line(row)  # a row from before the device clock
+    timed = {**row, "clock": "device", "baseline_clock": "device", "fastspec_host_s": 1.31e-4,
+             "baseline_host_s": 2e-5}
+    assert "20 µs (device; host 131 µs) vs 10 µs (device; host 20 µs)" in gpu_summary.row_line(timed)
 
 
 def test_summary_line_of_a_compiled_row_says_what_compiling_cost():

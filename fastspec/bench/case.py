@@ -138,6 +138,9 @@ class Case:
             :data:`HEADLINE` marks the cases the GPU kit measures first.
         row_extra: ``row -> {field: value}`` added to each timed row (e.g. a bandwidth share
             derived from a reference copy's time), or None.
+        device_time: on CUDA, time every side's device work with the host's launch time hidden
+            (the ``device`` clock of :mod:`fastspec.bench.timing`): for a kernel whose single
+            call is host-bound but overlaps earlier work inside a training step.
     """
 
     suite: str
@@ -159,6 +162,7 @@ class Case:
     teardown: Callable[[Inputs], None] | None = None
     tags: frozenset[str] = frozenset()
     row_extra: Callable[[dict], dict] | None = None
+    device_time: bool = False
 
     def inputs(self) -> Inputs:
         """:attr:`setup`'s inputs, drawn from generators seeded with :data:`SEED` (torch's CPU

@@ -10,8 +10,11 @@ accuracy side (plus case-specific fields such as ``pr_diff_vs_baseline``); ``cla
 case's :class:`~fastspec.bench.case.Claim` sets on fastspec's error and ``claim_held`` whether the
 errors hold it (when not, ``claim_violation`` says how, and the CLI exits 1); ``overhead_pct`` for
 cases that time a probe on top of their baseline (``Case.overhead``: ``train_step``,
-``train_step_compiled``, the ``probe`` suite's measure and train-step cases); ``torch_threads``
-in the document.
+``train_step_compiled``, the ``probe`` suite's measure and train-step cases); ``clock`` and
+``baseline_clock`` the clock each side was timed on (``wall``, ``events`` or ``device``, see
+:mod:`fastspec.bench.timing`; ``Case.device_time`` asks for ``device``), and on the ``device``
+clock ``fastspec_host_s``/``baseline_host_s`` the host's median time to queue one call (a
+sliced baseline's scaled); ``torch_threads`` in the document.
 A case that cannot run here gives one row with ``skipped`` (the reason); one that raised gives
 ``error`` (the exception) so one broken case does not hide the others. A baseline timed on a
 slice of the input (see ``Case.baseline_scale``) has its time scaled to the full input and
@@ -81,12 +84,14 @@ def run_case(case: Case, device: torch.device, *, warmup: int = 2, repeats: int 
         fast, *slows = measure_interleaved(
             [lambda: case.fastspec(inputs)] + [lambda b=b: b(inputs) for b in case.baselines.values()],
             contexts=[lambda: case.fastspec_context(inputs)] + [contextlib.nullcontext] * len(names),
-            device=device, warmup=warmup, repeats=repeats, deadline=deadline)
+            device=device, warmup=warmup, repeats=repeats, deadline=deadline,
+            device_only=case.device_time)
         for name, slow in zip(names, slows):
             scale = case.baseline_scale.get(name, 1.0)
             base_s = slow.median * scale
             row = {**head, "baseline": name, "fastspec_s": fast.median, "baseline_s": base_s,
                    "speedup": base_s / fast.median, "repeats": fast.repeats,
+                   "clock": fast.clock, "baseline_clock": slow.clock,
                    "fastspec_min_s": fast.min, "fastspec_max_s": fast.max,
                    "baseline_min_s": slow.min * scale, "baseline_max_s": slow.max * scale,
                    "error_kind": case.error_kind,
@@ -97,6 +102,10 @@ def run_case(case: Case, device: torch.device, *, warmup: int = 2, repeats: int 
                 row["claim_violation"] = violation
             if scale != 1.0:
                 row["baseline_scale"] = scale
+            if fast.host is not None:
+                row["fastspec_host_s"] = fast.host
+            if slow.host is not None:
+                row["baseline_host_s"] = slow.host * scale
             row.update({k: _finite(v) for k, v in errors.items()
                         if k not in ("fastspec_error", "baseline_error") and not k.endswith("_error")})
             if case.rate is not None:

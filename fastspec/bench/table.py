@@ -117,6 +117,27 @@ def budget_text(row: dict, compact: bool = False) -> str:
             f"{'' if ratio is None else f' (×{ratio:.2f})'}, budget {row['budget_pct']:g}%")
 
 
+DEVICE_MARK = "†"
+DEVICE_LEGEND = ("† device time: a spin kernel kept the GPU busy while the host queued the call, so the "
+                 "time is the kernels' alone, without the host's launch time (what the call costs "
+                 "inside a training step, where launches overlap earlier work); --json has each "
+                 "side's host time per call (fastspec_host_s, baseline_host_s).")
+
+
+def _on_device_clock(row: dict, side: str) -> bool:
+    """Whether ``side`` (``fastspec`` or ``baseline``) of ``row`` was timed on the device clock."""
+    return row.get("clock" if side == "fastspec" else "baseline_clock") == "device"
+
+
+def clocked_time(row: dict, side: str) -> str:
+    """``fmt_time`` of ``side``'s time, then ``(device; host …)`` on the device clock."""
+    text = fmt_time(row[f"{side}_s"])
+    if _on_device_clock(row, side):
+        host = row.get(f"{side}_host_s")
+        text += f" (device; host {fmt_time(host)})" if host is not None else " (device)"
+    return text
+
+
 def bench_cells(row: dict) -> dict[str, str]:
     """One result row as table cells (see :mod:`fastspec.bench.runner` for the fields)."""
     cells = {k: "" for k in BENCH_COLUMNS}
@@ -127,7 +148,7 @@ def bench_cells(row: dict) -> dict[str, str]:
     if "skipped" in row or ("error" in row and "fastspec_s" not in row):
         cells["fastspec"] = f"skipped: {row['skipped']}" if "skipped" in row else f"ERROR: {row['error']}"
         return cells
-    cells.update({"fastspec": fmt_time(row["fastspec_s"]), "baseline time": fmt_time(row["baseline_s"]),
+    cells.update({"fastspec": clocked_time(row, "fastspec"), "baseline time": clocked_time(row, "baseline"),
                   "speedup": speedup_text(row)})
     if row.get("baseline_scale"):  # timed on a slice of the batch, scaled to the whole
         cells["baseline time"] += f" (slice ×{row['baseline_scale']:g})"
@@ -228,8 +249,13 @@ def _count(n: int) -> str:
 
 def _compact_cells(row: dict) -> dict[str, str]:
     scaled = "*" if row.get("baseline_scale") else ""  # see the section's footnote
-    cells = {"size": row["size"], "variant": row["variant"], "fastspec": fmt_time(row["fastspec_s"]),
-             "baseline": fmt_time(row["baseline_s"]) + scaled,
+
+    def mark(side: str) -> str:  # see DEVICE_LEGEND
+        return DEVICE_MARK if _on_device_clock(row, side) else ""
+
+    cells = {"size": row["size"], "variant": row["variant"],
+             "fastspec": fmt_time(row["fastspec_s"]) + mark("fastspec"),
+             "baseline": fmt_time(row["baseline_s"]) + scaled + mark("baseline"),
              "speedup": speedup_text(row), "overhead": overhead_text(row) if "overhead_pct" in row else ""}
     if "real_overhead_pct" in row:  # a budget row: the long paired run's means and overhead, not the medians'
         cells.update(fastspec=fmt_time(row["probed_mean_s"]), baseline=fmt_time(row["twin_mean_s"]),
@@ -275,7 +301,7 @@ def bench_text(rows: list[dict], width: int = WIDTH) -> str:
         else:
             continue
         notes[note] = notes.get(note, 0) + 1
-    out, noisy = [], False
+    out, noisy, device = [], False, False
     for suite, (tables, notes) in suites.items():
         for (baseline, kind), group in tables.items():
             cells = [_compact_cells(r) for r in group]
@@ -288,6 +314,7 @@ def bench_text(rows: list[dict], width: int = WIDTH) -> str:
                 r.get("baseline_error") is not None for r in group) else "error"}
             cells = [{header.get(c, c): x.get(c, "") for c in cols} for x in cells]
             noisy = noisy or any(x.startswith(("≈", "inconclusive")) for c in cells for x in c.values())
+            device = device or any(_on_device_clock(r, side) for r in group for side in ("fastspec", "baseline"))
             out += ["", f"{suite} vs {baseline} · error: {kind}",
                     render_text(tuple(header.get(c, c) for c in cols), cells, indent="  ",
                                 right=("fastspec", "baseline", "speedup", "overhead"))]
@@ -301,8 +328,9 @@ def bench_text(rows: list[dict], width: int = WIDTH) -> str:
         for (what, subject, text), n in notes.items():
             out += textwrap.wrap(f"{what:<8} {subject}" + (f" ({_count(n)})" if n > 1 else "") + f" — {text}",
                                  width, initial_indent="  ", subsequent_indent=" " * 11)
-    if noisy:
-        out += [""] + textwrap.wrap(NOISE_LEGEND, width)
+    for legend, shown in ((NOISE_LEGEND, noisy), (DEVICE_LEGEND, device)):
+        if shown:
+            out += [""] + textwrap.wrap(legend, width)
     return "\n".join(out).lstrip("\n")
 
 
