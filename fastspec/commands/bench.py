@@ -2,8 +2,9 @@
 
 Runs the cases of :mod:`fastspec.bench.suites` (the same ones ``pytest benchmarks`` runs)
 without pytest: warmup, then the median of repeats (CUDA events on GPU, the covariance cases
-on the device clock of :mod:`fastspec.bench.timing`; ``perf_counter`` on CPU), and prints, under a header naming device, driver/CUDA, torch, triton and fastspec versions,
-one narrow table per suite and baseline (:func:`fastspec.bench.table.bench_text`; ``--wide``:
+on the device clock of :mod:`fastspec.bench.timing`; ``perf_counter`` on CPU), and prints,
+under a header naming device, driver/CUDA, torch, triton and fastspec versions, one narrow
+table per suite and baseline (:func:`fastspec.bench.table.bench_text`; ``--wide``:
 every field in one table, as in the README). A speedup or overhead within the spread of the
 repeats prints as noise (:data:`fastspec.bench.table.NOISE_RULE`); ``--json`` keeps every number.
 
