@@ -9,13 +9,23 @@ asked for.
 GPU. A test that needs a CUDA device is marked ``gpu`` (``pytest.mark.gpu``, or ``pytestmark``
 for a whole file) and nothing else: without CUDA it is skipped with one reason, and the GPU kit
 (``benchmarks/gpu_run.py``) selects the device tests with ``-m "gpu or triton"``.
+
+Time cap. With ``FASTSPEC_TEST_DEADLINE`` set (seconds since the epoch, as ``time.time()``), no
+test starts after it: the rest are skipped as not started, and the summary says how many. The
+GPU kit sets it to its tests step's cap, a grace period before it interrupts pytest, so the
+interrupt no longer lands inside a running test (where an import can turn it into a failure).
 """
 from __future__ import annotations
+
+import os
+import time
 
 import pytest
 import torch
 
 FULL_FLAG = "--full"
+DEADLINE_ENV = "FASTSPEC_TEST_DEADLINE"
+NOT_STARTED = "time cap reached before this test started"
 
 pytest_plugins = ["pytester"]  # tests/test_tiers.py runs this file on sample tests
 
@@ -29,6 +39,28 @@ def _tier_is_chosen_by_user(config) -> bool:
     """The user picked tests by node id or selected on the ``slow`` marker: run what they named."""
     return (any("::" in str(a) for a in config.args)
             or "slow" in (config.getoption("markexpr", "") or ""))
+
+
+def _deadline() -> float | None:
+    """``FASTSPEC_TEST_DEADLINE`` as seconds since the epoch, or None when unset."""
+    value = os.environ.get(DEADLINE_ENV, "")
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise pytest.UsageError(f"{DEADLINE_ENV}: expected seconds since the epoch (time.time()), "
+                                f"got {value!r}") from None
+
+
+def pytest_configure(config):
+    _deadline()  # a bad value stops the run before the first test, in one line
+
+
+def pytest_runtest_setup(item):
+    deadline = _deadline()
+    if deadline is not None and time.time() > deadline:
+        pytest.skip(NOT_STARTED)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -49,3 +81,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     n = getattr(config, "_fastspec_slow_deselected", 0)
     if n:
         terminalreporter.write_line(f"fast tier: {n} slow tests deselected; `pytest {FULL_FLAG}` runs them")
+    # the skip reports (pytest-xdist's workers' too) carry the reason as (path, line, text)
+    late = sum(NOT_STARTED in str(getattr(r, "longrepr", "")) for r in terminalreporter.stats.get("skipped", []))
+    if late:
+        terminalreporter.write_line(f"{NOT_STARTED.split(' before')[0]}: {late} tests not started "
+                                    f"({DEADLINE_ENV})")

@@ -14,8 +14,9 @@ the two, the most wanted numbers first. Command 3 holds what the first run (H200
 already measured once, and the budget row (the CPU row's model: seconds); run it only when the
 lease has its worst case left. Every step is its
 own process group under a time cap: a ``fastspec bench`` / ``compare`` / tool step gets its cap
-as ``--time-limit`` (no new case starts after it), a signal (SIGTERM; SIGINT for pytest, which
-then prints its summary) comes ``grace`` seconds later and ends the case in flight, keeping
+as ``--time-limit`` (no new case starts after it), the tests step as ``FASTSPEC_TEST_DEADLINE``
+(no test starts after it: the repository's conftest.py), a signal (SIGTERM; SIGINT for pytest,
+which then prints its summary) comes ``grace`` seconds later and ends the case in flight, keeping
 what finished in its JSON, and SIGKILL :data:`KILL` seconds after that. A step's worst case is
 cap + grace + KILL, a command's the sum of its steps: ``--plan`` prints both, and a command
 refuses to start when ``--cap`` would take it past its limit.
@@ -64,6 +65,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 KILL = 5              # seconds from the step's signal to SIGKILL
+TEST_DEADLINE = "FASTSPEC_TEST_DEADLINE"  # the repository's conftest.py: no test starts after it
 COMMAND_LIMIT = 480   # worst case of one command: 8 of the 10 minutes a device command may take
 PLAN_LIMIT = 780      # worst case of commands 1 and 2: 13 of the 15 minutes of device time (start: ~1)
 CORE = (1, 2)         # the commands a 15-minute lease runs; 3 only when time is left
@@ -267,6 +269,9 @@ class Run:
         argv = self.argv(step)
         dest = self.out / DEST.get(step.kind, "steps.txt")
         sig = signal.SIGINT if step.kind == "tests" else signal.SIGTERM
+        env = env or self.env
+        if step.kind == "tests":  # no test starts past the cap, so the SIGINT a grace later finds none running
+            env = {**env, TEST_DEADLINE: f"{time.time() + step.cap:.3f}"}
         self.say(f"step {step.name}: start (cap {step.cap}s, {sig.name} {step.grace}s later, SIGKILL "
                  f"{KILL}s after): {shlex.join(argv)}")
         with open(dest, "a") as f:
@@ -275,7 +280,7 @@ class Run:
             offset = f.tell()
             t0 = time.monotonic()
             proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=self.src,
-                                    env=env or self.env, start_new_session=True)
+                                    env=env, start_new_session=True)
             timed_out = False
             try:
                 rc = proc.wait(timeout=step.cap + step.grace)

@@ -386,6 +386,23 @@ def test_a_step_past_its_cap_is_stopped_and_recorded_as_capped(tmp_path, monkeyp
     assert run.failed == ["broken"]
 
 
+def test_the_tests_step_tells_pytest_its_cap_and_no_other_step_gets_one(tmp_path, monkeypatch):
+    """pytest starts no test past the step's cap (the conftest's deadline), so the SIGINT
+    ``grace`` seconds later does not land inside a test: the dry run's last test once failed
+    with ``ImportError: initialization failed``, a SIGINT during a pybind11 module's import."""
+    assert f'DEADLINE_ENV = "{gpu_run.TEST_DEADLINE}"' in (KIT.parent / "conftest.py").read_text()
+    run = gpu_run.Run(1, gpu_run.PLAN[1], tmp_path, tmp_path / "work", True)
+    run.src.mkdir(parents=True)
+    show = f"import os; print('deadline', os.environ.get({gpu_run.TEST_DEADLINE!r}))"
+    monkeypatch.setattr(run, "argv", lambda step: [sys.executable, "-c", show])
+    t0 = time.time()
+    assert run.run(gpu_run.Step("tests", "tests", 40, 5)).startswith("ok")
+    deadline = float((tmp_path / "tests.txt").read_text().split("deadline ")[1].split()[0])
+    assert t0 + 40 <= deadline <= time.time() + 40
+    assert run.run(gpu_run.Step("bench-x", "bench", 40, 5, suite="eigvalsh")).startswith("ok")
+    assert "deadline None" in (tmp_path / "steps.txt").read_text()
+
+
 # ------------------------------------------------------------------------------------ the tools
 @pytest.mark.parametrize("tool, rc, output, expected", [
     ("compute-sanitizer", 0, "========= ERROR SUMMARY: 0 errors", "ok"),

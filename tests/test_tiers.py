@@ -57,6 +57,34 @@ def test_naming_or_selecting_a_slow_test_runs_it(sample, args):
     res.assert_outcomes(passed=1)
 
 
+def test_no_test_starts_past_the_deadline_and_the_summary_counts_them(sample, monkeypatch):
+    """``FASTSPEC_TEST_DEADLINE`` (the GPU kit's tests step sets it to its cap): every test not
+    started by then is skipped as such, and one summary line counts them ("time cap reached" is
+    what the kit reads as a capped step)."""
+    import time
+
+    monkeypatch.setenv("FASTSPEC_TEST_DEADLINE", f"{time.time() - 1:.3f}")
+    res = sample.runpytest("-p", "no:cacheprovider", "--full", "-rs")
+    res.assert_outcomes(skipped=3)
+    late = 3 - _gpu_outcome().get("skipped", 0)  # without CUDA the gpu test is skipped before it starts
+    res.stdout.fnmatch_lines([f"time cap reached: {late} tests not started (FASTSPEC_TEST_DEADLINE)"])
+    res.stdout.fnmatch_lines([f"SKIPPED [[]{late}[]] conftest.py:*: time cap reached before this test started"])
+    monkeypatch.setenv("FASTSPEC_TEST_DEADLINE", f"{time.time() + 600:.3f}")
+    res = sample.runpytest("-p", "no:cacheprovider", "--full")
+    gpu = _gpu_outcome()
+    res.assert_outcomes(passed=2 + gpu.get("passed", 0), skipped=gpu.get("skipped", 0))
+    assert "tests not started" not in res.stdout.str()
+
+
+def test_a_deadline_that_is_no_time_is_a_one_line_usage_error(sample, monkeypatch):
+    monkeypatch.setenv("FASTSPEC_TEST_DEADLINE", "in ten minutes")
+    res = sample.runpytest("-p", "no:cacheprovider")
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    expected = "*FASTSPEC_TEST_DEADLINE: expected seconds since the epoch (time.time()), got 'in ten minutes'"
+    res.stderr.fnmatch_lines([expected])
+    assert "Traceback" not in res.stderr.str()
+
+
 def test_gpu_tests_are_marked_one_way_and_slow_is_used():
     """A GPU-only test is ``mark.gpu``, never its own ``skipif(not torch.cuda.is_available())``
     (the GPU kit selects on the marker, and would miss it); the ``slow`` marker is in use."""
