@@ -1,22 +1,24 @@
-"""What the first GPU run (one H200, 2026-11-26) left unexplained, measured in two short steps.
+"""What the GPU runs left unexplained, measured in two short steps.
 
     python benchmarks/gpu_diag.py accuracy [--time-limit S] [--dry-run]
     python benchmarks/gpu_diag.py profile  [--time-limit S] [--dry-run]
 
-``accuracy``: the two Triton results that failed on the H200 but pass under the interpreter,
-each swept over the launch settings, so that one GPU run says which setting is at fault:
+``accuracy``: the Triton results that failed on a GPU but pass under the interpreter, each
+swept over the launch settings, so that one GPU run says which setting is at fault:
 
-* ``raw``: the uncentred Gram of fp16 ``[2, T, 2, 128]`` (``test_head_widths[raw-128-fp16]``
-  was 1.7% off; bf16 at the same shape passed). T = 24 walks rows by per-row division (fewer
-  rows per sequence than a block), T = 64 carries them from block to block.
+* ``raw N=1024``: the uncentred Gram of one program's 1024 fp16/bf16 rows about means up to
+  100 (the H100 run of 2026-11-27 found ``test_gpu_against_fp64``'s uncentred 16-bit cases
+  outside 4× torch float32). ``benchmarks/tensor_core_sum_model.py`` predicts 7-17× torch with
+  the sums accumulating in the matrix instructions (``acc`` 0) and 1-2× with the launcher's
+  block tile (``acc`` 2, flushed every 128 rows).
+* ``raw T=24``: ``[2, 24, 2, 128]``, where 4 pipeline stages over 2 row blocks raced on an H100
+  (2026-11-26); the launcher now asks for 3 stages everywhere.
 * ``split``: the centred hi + lo split on channels whose means lie near their spread
-  (``test_means_near_the_spread``: 30-60× torch float32's error).
+  (``test_means_near_the_spread``: 35-59× torch float32 with ``acc`` 0, 1.2-1.4× with 2).
 
-The H100 run (2026-11-26) found both causes: 4 pipeline stages over a loop of 2 row blocks race,
-and the split loses its accuracy in the tensor cores' accumulation (``acc`` 0); the launcher
-now avoids both, so each case's first row (the launcher's own choice) checks the fixes and the
-rows after it, which still ask for the failing settings, keep showing the failures.
-A row is one setting (dtype, T, rows per block BT, warps, pipeline stages, ``acc``: where the
+Each case's first row is the launcher's own choice (what the library runs); the rows after it
+ask for a setting found failing, so the same run shows the failure beside the fix.
+A row is one setting (dtype, rows per block BT, warps, pipeline stages, ``acc``: where the
 products are summed, see ``_gram_dot``) with the kernel's relative error of the second moment
 against float64 (the largest of 3 fresh draws), torch float32's error on the same draws, their
 ratio, and ``moving`` when two launches on the same input gave different bits (a race).
@@ -94,7 +96,7 @@ def second_moment_error(x, center: bool, **launch) -> tuple[float, float, bool]:
 
 
 def accuracy_rows(dry: bool) -> list[tuple[str, dict, Callable]]:
-    """(case, launch settings, input maker) in the order they run: the defaults first."""
+    """(case, launch settings, input maker) in the order they run: the most telling first."""
     import torch
     import triton
 
@@ -107,13 +109,17 @@ def accuracy_rows(dry: bool) -> list[tuple[str, dict, Callable]]:
     def raw_input(dtype, T):
         return lambda: torch.randn(2, T, 2, D, device=dev).to(dtype)
 
+    def long_input(dtype, N):
+        # one program's rows (the launcher keeps >= 16·D/2 rows per split), means up to 100
+        return lambda: (torch.randn(1, N, 1, D, device=dev) * 2 + 100 * torch.rand(D, device=dev)).to(dtype)
+
     def split_input(dtype):
         return lambda: (torch.randn(1, 1024, 1, D, device=dev) * torch.linspace(0.05, 2, D, device=dev)
                         + torch.linspace(-4, 4, D, device=dev)).to(dtype)
 
-    def config(N: int, center: bool, BT: int | None = None, warps: int | None = None,
+    def config(N: int, S: int, center: bool, BT: int | None = None, warps: int | None = None,
                stages: int | None = None):
-        cfg = launch_config(N, 2 if not center else 1, D, dev, 2, None, center)
+        cfg = launch_config(N, S, D, dev, 2, None, center)
         BT = BT or cfg.BT
         rps = triton.cdiv(triton.cdiv(N, cfg.split), BT) * BT
         split = triton.cdiv(N, rps)
@@ -123,31 +129,25 @@ def accuracy_rows(dry: bool) -> list[tuple[str, dict, Callable]]:
 
     rows = []
     # (BT, warps, stages, acc); None: the launcher's own choice. The first row of each case is
-    # the launcher's whole choice (what the library runs); the others vary one setting, among
-    # them the H100 run's failing ones (4 stages over 2 row blocks; the split accumulating
-    # into G, acc 0), which still show the failure the defaults now avoid
-    raw_settings = [(None, None, None, None), (None, None, 4, 0), (None, None, 3, 0), (16, 4, 4, 0),
-                    (64, 8, 4, 0), (None, None, 4, 2)]
-    split_settings = [(None, None, None, None), (None, None, None, 0), (None, None, None, 1), (None, None, 2, None),
-                      (16, 4, None, None)]
+    # the launcher's whole choice (what the library runs); the others ask for a setting the
+    # H100 runs found failing (4 stages; sums accumulating in the matrix instructions, acc 0),
+    # so the same run shows the failure beside the fix
+    long_settings = [(None, None, None, None), (None, None, None, 0), (None, None, 4, None)]
+    raw_settings = [(None, None, None, None), (None, None, 4, 0), (64, 8, 4, 0)]
+    split_settings = [(None, None, None, None), (None, None, None, 0)]
     if dry:
-        raw_settings, split_settings = raw_settings[:1] + raw_settings[-1:], split_settings[:2]
-    def raw(dtype, T):
-        for BT, warps, stages, acc in raw_settings:
-            cfg = config(2 * T, False, BT, warps, stages)
-            rows.append((f"raw T={T}", {"config": cfg, "acc": acc, "dtype": dtype}, raw_input(dtype, T)))
+        long_settings, raw_settings, split_settings = long_settings[:2], raw_settings[:1], split_settings[:1]
 
-    def split(dtype):
-        for BT, warps, stages, acc in split_settings:
-            cfg = config(1024, True, BT, warps, stages)
-            rows.append(("split", {"config": cfg, "acc": acc, "dtype": dtype}, split_input(dtype)))
+    def add(name, N, S, center, settings, make, dtype):
+        for BT, warps, stages, acc in settings:
+            cfg = config(N, S, center, BT, warps, stages)
+            rows.append((name, {"config": cfg, "acc": acc, "dtype": dtype}, make))
 
-    # most telling first (a time cap cuts the tail): the failing shapes per dtype, then T = 64
+    N = 64 if dry else 1024
     for dtype in dtypes:
-        raw(dtype, 24)
-        split(dtype)
-    for dtype in ([] if dry else dtypes):
-        raw(dtype, 64)
+        add(f"raw N={N}", N, 1, False, long_settings, long_input(dtype, N), dtype)
+        add("raw T=24", 48, 2, False, raw_settings, raw_input(dtype, 24), dtype)
+        add("split", 1024, 1, True, split_settings, split_input(dtype), dtype)
     return rows
 
 
@@ -163,7 +163,7 @@ def accuracy(dry: bool, limit: float | None) -> int:
 
     for name, s, make in rows:
         cfg, dtype = s["config"], s["dtype"]
-        acc = block_accumulation(name == "split") if s["acc"] is None else s["acc"]  # 16-bit input only
+        acc = block_accumulation(True) if s["acc"] is None else s["acc"]  # 16-bit input: tensor cores
         label = (f"{name:<10} {str(dtype).removeprefix('torch.'):<6} {cfg.BT:>3} {cfg.num_warps:>5} "
                  f"{cfg.num_stages:>6} {acc:>3}")
         if clock.left() < 0:

@@ -21,6 +21,7 @@ triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.triton  # the GPU kit runs these on CUDA (benchmarks/gpu_run.py)
 
 import fastspec  # noqa: E402
+from fastspec.covariance import triton_kernels as tri  # noqa: E402
 from fastspec.covariance import triton_update as tu  # noqa: E402
 from fastspec.covariance.reference import covariance_partials_reference as reference  # noqa: E402
 from fastspec.covariance.triton_update import covariance_partials_triton as kernel  # noqa: E402
@@ -200,10 +201,26 @@ def test_the_block_accumulations_compute_the_same_sums(acc, D, center):
     check_against_fp64(x.to(torch.float16), center=center, split=2, acc=acc)
 
 
+@pytest.mark.parametrize("D, blocks", [(64, 7), (200, 5)], ids=["fused", "tiled"])
+def test_the_uncentred_block_tile_is_flushed_in_the_loop_and_after_it(D, blocks):
+    # ACC=2 without the split: the tile is added to G every FLUSH_ROWS rows and once more after
+    # the loop; one program over 7 blocks of 32 rows (fused: flushed after the 4th, 3 left) or
+    # 5 of 64 (tiled: after the 2nd and 4th, 1 left). A flush that skipped its reset would count
+    # rows twice, a missing last flush would drop them
+    cfg = tu.launch_config(1, 1, D, torch.device(DEVICE), 2, center=False)
+    rows = blocks * cfg.BT
+    assert tri.FLUSH_ROWS.value // cfg.BT >= 2 and rows > tri.FLUSH_ROWS.value
+    assert rows % tri.FLUSH_ROWS.value != 0
+    x = torch.randn(1, rows, 1, D, device=DEVICE) * 3 + torch.linspace(-5, 40, D, device=DEVICE)
+    got = check_against_fp64(x.to(torch.float16), center=False, split=1)
+    assert got.n.tolist() == [rows]
+
+
 def test_the_launcher_passes_the_measured_accumulation_and_pipeline_depth(monkeypatch):
-    # what the H100 run of 2026-11-26 fixed (triton_update.block_accumulation, pipeline_stages):
-    # the centred 16-bit split sums each row block in its own tile (ACC=2), everything else
-    # accumulates in the dots; no launch pipelines more stages than its loop has row blocks
+    # what the H100 runs fixed (triton_update.block_accumulation, pipeline_stages): every
+    # tensor-core launch (16-bit input, centred split or not) sums its products in a block tile
+    # (ACC=2), fp32 input (FMA dots) accumulates in the dots; no launch asks for the 4 stages
+    # that raced, nor for more stages than its loop has row blocks
     launches = []
     real = tu._cov_partials_kernel
 
@@ -216,12 +233,16 @@ def test_the_launcher_passes_the_measured_accumulation_and_pipeline_depth(monkey
 
     monkeypatch.setattr(tu, "_cov_partials_kernel", Spy())
     x = torch.randn(2, 24, 2, 64, device=DEVICE) * 2 + 3
-    for dtype, center, acc in [(torch.float16, True, 2), (torch.float16, False, 0), (torch.float32, True, 0)]:
+    cases = [(torch.float16, True, 2, True), (torch.float16, False, 2, False), (torch.float32, True, 0, False),
+             (torch.float32, False, 0, False)]
+    for dtype, center, acc, split in cases:
         check_against_fp64(x.to(dtype), center=center)
         kw = launches[-1]
-        assert (kw["ACC"], kw["SPLIT_BF16"]) == (acc, acc == 2)
-        assert kw["num_stages"] <= triton.cdiv(2 * 24, kw["BT"])
-    assert launches[1]["num_stages"] == 2  # raw 16-bit wants 4; its one program has 2 blocks
+        assert (kw["ACC"], kw["SPLIT_BF16"]) == (acc, split)
+        assert kw["num_stages"] <= min(tu.STAGES, triton.cdiv(2 * 24, kw["BT"]))
+    assert tu.STAGES == 3
+    assert launches[1]["num_stages"] == 2  # 3 wanted; the one program has 2 blocks
+    assert tu.launch_config(4096, 1, 128, torch.device(DEVICE), 2, center=False).num_stages == 3
 
 
 def test_a_launch_configuration_can_be_given_and_acc_is_checked():
@@ -424,13 +445,13 @@ def test_launch_config_one_wave_and_bounded_workspace(monkeypatch):
     monkeypatch.setattr(tu, "_sm_count", lambda index: 132)
     cuda = torch.device("cuda", 0)
     keys = tu.launch_config(8 * 2048, 8, 128, cuda, 2, center=False)
-    assert (keys.BT, keys.num_warps, keys.num_stages) == (32, 8, 4)
+    assert (keys.BT, keys.num_warps, keys.num_stages) == (32, 8, 3)  # 4 stages raced on an H100
     assert keys.split * 8 <= 132 and keys.split == 16 and keys.rows_per_split == 1024
     # the fp32 workspace stays under a quarter of the bytes of x it summarizes
     assert keys.split * 128 * 128 * 4 <= 8 * 2048 * 128 * 2 / 4
     assert tu.launch_config(8 * 2048, 8, 128, cuda, 2, center=True).num_stages == 3
-    # never more load-pipeline stages than the shortest program's row blocks (4 stages over 2
-    # blocks raced on an H100): [2, 24, 2, 128] raw is 2 blocks of 32 rows in one program
+    # never more load-pipeline stages than the shortest program's row blocks: [2, 24, 2, 128]
+    # raw is 2 blocks of 32 rows in one program
     assert tu.launch_config(2 * 24, 2, 128, cuda, 2, center=False).num_stages == 2
     assert tu.pipeline_stages(4, 16384, 1024, 16, 32) == 4
     assert tu.pipeline_stages(4, 3 * 32, 96, 1, 32) == 3
@@ -581,14 +602,14 @@ def sass_stats(cubin):
             "stack": int(re.search(r"STACK:(\d+)", res).group(1)),
             "spill_ops": kernel.ops["LDL"] + kernel.ops["STL"],
             "loop": loop.size, "BAR": loop.ops["BAR"], "SHFL": loop.ops["SHFL"], "HGMMA": loop.ops["HGMMA"],
-            "LDGSTS": loop.ops["LDGSTS"], "CALL": loop.ops["CALL"],
+            "LDGSTS": loop.ops["LDGSTS"], "CALL": loop.ops["CALL"], "FADD": loop.ops["FADD"],
             "div": loop.ops["I2F"] + loop.ops["MUFU"]
                    + sum(n for op, n in loop.full_ops.items() if op.startswith("IMAD.HI"))}
 
 out = {}
 for dt, center, D, ntile in [("bf16", True, 128, 1), ("fp16", False, 2048, 16), ("fp32", True, 128, 1)]:
     consts = dict(HAS_MASK=True, FUSED_STATUS=ntile == 1, CENTER=center, SPLIT_BF16=center and dt != "fp32",
-                  UPCAST=False, PRECISION="ieee", ACC=tu.block_accumulation(center and dt != "fp32"), NTILE=ntile, TK_GE_BT=True, BT=32 if dt != "fp32" else 16,
+                  UPCAST=False, PRECISION="ieee", ACC=tu.block_accumulation(dt != "fp32"), NTILE=ntile, TK_GE_BT=True, BT=32 if dt != "fp32" else 16,
                   BD=128)
     code = build(K._cov_partials_kernel, {"p_x": "*" + dt, **ptrs}, consts, 8).asm["ptx"]
     out[dt] = {"wgmma": code.count("wgmma.mma_async"), "tf32": code.count("tf32")}
@@ -596,7 +617,7 @@ for dt, center, D, ntile in [("bf16", True, 128, 1), ("fp16", False, 2048, 16), 
 for center in (False, True):
     cfg = tu.launch_config(8 * 2048, 8, 128, torch.device("cpu"), 2, split=16, center=center)
     consts = dict(HAS_MASK=True, FUSED_STATUS=True, CENTER=center, SPLIT_BF16=center, UPCAST=False,
-                  PRECISION="ieee", ACC=tu.block_accumulation(center), NTILE=cfg.NTILE, TK_GE_BT=True,
+                  PRECISION="ieee", ACC=tu.block_accumulation(True), NTILE=cfg.NTILE, TK_GE_BT=True,
                   BT=cfg.BT, BD=cfg.BD)
     k = build(K._cov_partials_kernel, {"p_x": "*bf16", **ptrs}, consts, cfg.num_warps, cfg.num_stages, True)
     out["keys", center] = sass_stats(k.asm["cubin"])
@@ -608,7 +629,10 @@ print(json.dumps({str(k): v for k, v in out.items()}))
 # per 32-row iteration of the fused bf16 D = 128 row loop, per warp, on sm_90 (what Triton 3.6
 # and 3.9 give, with some room): the design envelope in triton_kernels.py is built on these
 KEYS_LOOP_BOUNDS = {
-    False: dict(loop=210, BAR=2, SHFL=0),  # measured 184 (3.9) / 184 (3.6), 2 barriers
+    # uncentred with its block tile (ACC=2, flushed every 128 rows): measured 388 (3.9 and
+    # 3.6): 190 per block plus the flush, which runs every 4th block; 2 barriers
+    # (184 when the dot accumulated into G, ACC=0)
+    False: dict(loop=420, BAR=2, SHFL=0),
     # centred with its block tile (ACC=2): measured 502 (3.9) / 484 (3.6), 7 / 4 barriers
     # (414 / 399 when the dots accumulated into G, ACC=0)
     True: dict(loop=540, BAR=8, SHFL=0),
@@ -645,6 +669,9 @@ def test_kernels_compile_for_sm90_without_a_gpu():
         assert got["spill_ops"] == 0 and got["stack"] == 0, got
         assert got["regs"] <= 255, got
         assert got["HGMMA"] == (8 if center else 2), got  # 2 k-steps of 16 rows (x4: hi/lo split)
+        # the block tile's fp32 add into G is in the loop (64 per thread, beside the 16 of Σd):
+        # Triton folds `G + dot(a, b)` back into the dot when the tile starts from zero
+        assert got["FADD"] >= 64 + 16, got
         assert got["LDGSTS"] > 0, got  # x arrives through the cp.async pipeline
         assert got["CALL"] == 0 and got["div"] == 0, got  # no per-row // or %
         assert got["loop"] <= bound["loop"], got

@@ -41,17 +41,20 @@ Design envelope
   the envelope. Triton 3.6 spills inside the loop of the 16-bit tiled kernel (D > 128) too.
 * SASS of the keys kernel (bf16, D = 128, 8 warps, sm_90, the launcher's specialization of a
   contiguous input; per 32-row iteration per warp; Triton 3.9 / 3.6 where they differ; kept
-  honest by ``test_kernels_compile_for_sm90_without_a_gpu``):
+  honest by ``test_kernels_compile_for_sm90_without_a_gpu``; the last step of each row is the
+  float32 block tile of ``_gram_dot``'s ``ACC=2``, flushed every block for the split and every
+  ``FLUSH_ROWS`` = 128 rows uncentred):
 
   ==============================  =========================  ===============================
   before -> now                   CENTER=False (``sv``)      CENTER=True (hi + lo split)
   ==============================  =========================  ===============================
-  loop instructions               454/461 -> 184             647/644 -> 414/399
+  loop instructions               454/461 -> 184 -> 190      647/644 -> 414/399 -> 502/484
+                                  + 197 every 4th block
   BAR per iteration               10/5 -> 2                  14/7 -> 7/4
   SHFL per iteration              32/28 -> 0                 32/28 -> 0
   int64 division in the loop      2 CALL + I2F/RCP -> none   same -> none
-  registers, spills               158/155, 0 -> 194, 0       174/171, 0 -> 229/234, 0
-  num_stages (cp.async depth)     3 -> 4                     3
+  registers, spills               158/155, 0 -> 224/225, 0   174/171, 0 -> 240/252, 0
+  num_stages (cp.async depth)     3 (4 raced on an H100)     3
   ==============================  =========================  ===============================
 
 Byte/flop arithmetic (H100 SXM: ~3.35 TB/s HBM, ~990 TFLOP/s dense bf16; H200: 4.8 TB/s)
@@ -64,11 +67,13 @@ Byte/flop arithmetic (H100 SXM: ~3.35 TB/s HBM, ~990 TFLOP/s dense bf16; H200: 4
 * Cost model (a PREDICTION from the SASS counts above, not a measurement): per program,
   time ≈ max(memory, issue, tensor) + ~1.5 µs (pipeline fill, G symmetrize + 64 KB store).
   memory: 33.6 MB at ~3.0 TB/s (~90 % of HBM peak for streaming reads) = 11.2 µs; Little's
-  law asks ~3.35 TB/s × ~0.8 µs ≈ 2.7 MB in flight, the 4-stage pipeline keeps 3 blocks × 8 KB
+  law asks ~3.35 TB/s × ~0.8 µs ≈ 2.7 MB in flight, the 4-stage pipeline kept 3 blocks × 8 KB
   × 128 SMs = 3.1 MB. issue: 8 warps × 184 / 4 schedulers = 368 cycles per block, × 32 blocks
   = 6.7 µs at 1.75 GHz (before: 922 cycles, 16.9 µs: issue bound). So uncentered ≈ 12.5 µs,
   ~2.7 TB/s ≈ 80 % of HBM (before: ≈ 18 µs, ~55 %), plus the split sum (8.4 MB from L2, one
-  small torch kernel). Centered: issue (8 warps × 414 / 4; 502 since the split sums each block in its own tile) = 828 (1004) cycles per block (15 (18) µs) overlapping
+  small torch kernel). Now (3 stages, the block tile): 2 blocks × 8 KB × 128 SMs = 2.1 MB in
+  flight, ~80 % of what Little's law asks; issue: 8 warps × (190 + 197 / 4) / 4 = 479 cycles per
+  block, 8.8 µs: still under the memory time. Centered: issue (8 warps × 414 / 4; 502 since the split sums each block in its own tile) = 828 (1004) cycles per block (15 (18) µs) overlapping
   the 4 dots (17 GFLOP, ~18 µs at ~95 % of peak): ≈ 20 µs, compute bound (a per-block "skip
   the lo dots when lo ≡ 0" branch would recover large-mean data; not done).
 * The torch per-head path (``reference.py``) reads x, writes an fp32 copy, reads it back for an
@@ -94,7 +99,13 @@ Byte/flop arithmetic (H100 SXM: ~3.35 TB/s HBM, ~990 TFLOP/s dense bf16; H200: 4
   19 % off; 2-3 stages or >= 3 blocks are exact), so the launcher caps the stages at the
   shortest program's block count (``pipeline_stages``); (2) the split's accuracy is lost in
   the tensor cores' accumulation: summing each block in its own tile (``ACC=2``) brings it to
-  1.2-1.4× torch fp32, so the split uses it (``block_accumulation``). Neither fix is timed yet.
+  1.2-1.4× torch fp32, so the split uses it (``block_accumulation``).
+  MEASURED on one H100 (2026-11-27, Triton 3.6; device time, a spin kernel ahead of the start
+  event): the uncentred keys partials 46.4 µs per call (36.7 µs CUDA-graphed; a device copy of
+  the same bytes 21.8 µs), centred 77.9 µs graphed; FFN centred 22.0 ms. Both fixes above held;
+  uncentred 16-bit sums about large means then failed against fp64 (3 tests), which moved the
+  uncentred dots to the block tile too and every launch to 3 stages (``block_accumulation``,
+  ``pipeline_stages``). Not yet timed on a GPU.
 """
 from __future__ import annotations
 
@@ -229,10 +240,16 @@ def _round_to_bf16(b_f):
     return b_u.to(tl.float32, bitcast=True)
 
 
+# uncentred 16-bit rows with ACC=2: the block tile is added to G once per this many rows (4
+# blocks of 32 rows, 2 of 64: a chain of 8 matrix instructions of 16 rows at most)
+FLUSH_ROWS: tl.constexpr = tl.constexpr(128)
+
+
 @triton.jit
-def _gram_dot(b_a, b_b, b_acc, SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-              ACC: tl.constexpr):
-    """b_acc += b_aᵀ b_b, b_a: [BT, BM], b_b: [BT, BN] (zeros in invalid rows/columns).
+def _gram_dot(b_a, b_b, b_acc, b_blk, i_blk, SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr,
+              PRECISION: tl.constexpr, ACC: tl.constexpr):
+    """(b_acc, b_blk) with b_aᵀ b_b summed in: b_a: [BT, BM], b_b: [BT, BN] (zeros in invalid
+    rows/columns), ``i_blk`` the row block's index in the caller's loop.
 
     SPLIT_BF16: the fp32 blocks are split hi + lo in bf16 (16 significant bits) and the four
     bf16 products summed, so every d that needs <= 16 bits is multiplied exactly.
@@ -241,10 +258,19 @@ def _gram_dot(b_a, b_b, b_acc, SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr, P
     the split, 0 otherwise; ``benchmarks/gpu_diag.py accuracy`` sweeps all three).
     0: every dot accumulates into ``b_acc`` (the tensor core's own accumulation). 1: the split's
     three correction dots go to a per-block accumulator that is added to ``b_acc`` by an fp32
-    add. 2: the whole block is summed in a per-block accumulator and added to ``b_acc`` by an
-    fp32 add. 1 and 2 hold a second [BM, BN] fp32 tile. On an H100 the split lost 35-59x
-    torch's accuracy with 0 and 1.2-1.4x with 2: the accumulation inside the matrix
-    instructions, not the split, was what cost the bits.
+    add. 2: the products are summed in a block tile added to ``b_acc`` by an fp32 add: the
+    split's four dots every block; uncentred rows' one dot into ``b_blk``, carried across
+    :data:`FLUSH_ROWS` rows (the caller adds what is left after its loop: ``_gram_flush``). 1 and 2 hold a
+    second [BM, BN] fp32 tile. On an H100 the split lost 35-59x torch's accuracy with 0 and
+    1.2-1.4x with 2: the accumulation inside the matrix instructions, not the split, was what
+    cost the bits (each matrix instruction's sum is truncated to fp32, so a long chain of them
+    drifts toward zero instead of averaging out).
+
+    Why the uncentred tile is carried across blocks: Triton rewrites ``acc + dot(a, b)`` (a
+    dot from zero, then an add) into ``dot(a, b, acc)``, i.e. back into ACC=0 (compiled, the
+    add is gone); a tile that already holds the previous blocks' products is not zero, so the
+    add stays an fp32 add. Every block would cost 64 adds and 64 zeroing moves per thread in
+    the keys kernel's 180-instruction loop; every 128 rows costs a quarter of that.
     """
     if SPLIT_BF16:
         b_ah = _round_to_bf16(b_a)
@@ -261,21 +287,35 @@ def _gram_dot(b_a, b_b, b_acc, SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr, P
             # lo·lo is ~2^-18 of d·d but of one sign on the diagonal: dropping it biases G
             b_acc = tl.dot(tl.trans(b_al), b_bl, b_acc, input_precision=PRECISION)
         else:
-            b_blk = tl.dot(tl.trans(b_ah), b_bl, input_precision=PRECISION)
-            b_blk = tl.dot(tl.trans(b_al), b_bh, b_blk, input_precision=PRECISION)
-            b_blk = tl.dot(tl.trans(b_al), b_bl, b_blk, input_precision=PRECISION)
+            # this block's own tile (``b_blk`` stays unused: four chained dots are never folded)
+            b_t = tl.dot(tl.trans(b_ah), b_bl, input_precision=PRECISION)
+            b_t = tl.dot(tl.trans(b_al), b_bh, b_t, input_precision=PRECISION)
+            b_t = tl.dot(tl.trans(b_al), b_bl, b_t, input_precision=PRECISION)
             if ACC == 1:
-                b_acc = tl.dot(tl.trans(b_ah), b_bh, b_acc, input_precision=PRECISION) + b_blk
+                b_acc = tl.dot(tl.trans(b_ah), b_bh, b_acc, input_precision=PRECISION) + b_t
             else:
-                b_blk = tl.dot(tl.trans(b_ah), b_bh, b_blk, input_precision=PRECISION)
-                b_acc = b_acc + b_blk
+                b_t = tl.dot(tl.trans(b_ah), b_bh, b_t, input_precision=PRECISION)
+                b_acc = b_acc + b_t
     else:
         if UPCAST:
             b_a, b_b = b_a.to(tl.float32), b_b.to(tl.float32)
         if ACC == 2:
-            b_acc = b_acc + tl.dot(tl.trans(b_a), b_b, input_precision=PRECISION)
+            BT: tl.constexpr = b_a.shape[0]
+            tl.static_assert(FLUSH_ROWS // BT >= 2, "one block per flush would be folded into ACC=0")
+            b_blk = tl.dot(tl.trans(b_a), b_b, b_blk, input_precision=PRECISION)
+            if i_blk % (FLUSH_ROWS // BT) == FLUSH_ROWS // BT - 1:
+                b_acc = b_acc + b_blk
+                b_blk = tl.zeros_like(b_blk)
         else:
             b_acc = tl.dot(tl.trans(b_a), b_b, b_acc, input_precision=PRECISION)
+    return b_acc, b_blk
+
+
+@triton.jit
+def _gram_flush(b_acc, b_blk, SPLIT_BF16: tl.constexpr, ACC: tl.constexpr):
+    """After the row loop: what the uncentred block tile still holds (ACC=2) goes into ``b_acc``."""
+    if ACC == 2 and not SPLIT_BF16:
+        b_acc = b_acc + b_blk
     return b_acc
 
 
@@ -315,6 +355,8 @@ def _fused_rows(
     every row and counts the non-finite ones as rejected (the rare path: the exact semantics).
     """
     b_G = tl.zeros([BD, BD], dtype=tl.float32)
+    b_blk = tl.zeros([BD, BD], dtype=tl.float32)  # the block tile of ACC=2 (uncentred)
+    i_blk = 0
     b_S = tl.zeros([BT, BD], dtype=tl.float32)  # Σd per row slot: reduced once, after the loop
     b_n = tl.zeros([BT], dtype=tl.int32)
     b_rej = tl.zeros([BT], dtype=tl.int32)
@@ -377,8 +419,10 @@ def _fused_rows(
             b_a = _prep_block(b_x, valid[:, None] & m_d[None, :], b_c, CENTER)
         else:
             b_a = b_x  # the masked load already zeroed what is not valid
-        b_G = _gram_dot(b_a, b_a, b_G, SPLIT_BF16, UPCAST, PRECISION, ACC)
+        b_G, b_blk = _gram_dot(b_a, b_a, b_G, b_blk, i_blk, SPLIT_BF16, UPCAST, PRECISION, ACC)
+        i_blk += 1  # noqa: SIM113 - a Triton loop: no enumerate()
         b_S += b_a.to(tl.float32)
+    b_G = _gram_flush(b_G, b_blk, SPLIT_BF16, ACC)
     return b_G, tl.sum(b_S, axis=0), tl.sum(b_n, axis=0), tl.sum(b_rej, axis=0)
 
 
@@ -426,6 +470,8 @@ def _cov_partials_kernel(
                 True, TK_GE_BT, BT, BD)
     else:
         b_G = tl.zeros([BD, BD], dtype=tl.float32)
+        b_blk = tl.zeros([BD, BD], dtype=tl.float32)
+        i_blk = 0
         b_sum = tl.zeros([BD], dtype=tl.float32)
         for r0 in range(r_lo, r_hi, BT):
             o_r = r0 + tl.arange(0, BT).to(tl.int64)
@@ -436,8 +482,10 @@ def _cov_partials_kernel(
             valid = b_st == 1
             b_a = _load_prepped(p_row, o_m, m_m, valid, p_cs, stride_xd, CENTER)
             b_b = _load_prepped(p_row, o_n, m_n, valid, p_cs, stride_xd, CENTER)
-            b_G = _gram_dot(b_a, b_b, b_G, SPLIT_BF16, UPCAST, PRECISION, ACC)
+            b_G, b_blk = _gram_dot(b_a, b_b, b_G, b_blk, i_blk, SPLIT_BF16, UPCAST, PRECISION, ACC)
+            i_blk += 1  # noqa: SIM113 - a Triton loop: no enumerate()
             b_sum += tl.sum(b_a.to(tl.float32), axis=0)
+        b_G = _gram_flush(b_G, b_blk, SPLIT_BF16, ACC)
 
     o_out = (i_k.to(tl.int64) * S + i_s) * D
     p_Gk = p_G + o_out * D

@@ -58,6 +58,10 @@ _ROW_CARRY = True
 # triton.jit reads TRITON_INTERPRET when the kernels are decorated (import time), so do we
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
+# load-pipeline stages (Triton's num_stages) of every covariance launch: 4 raced on an H100
+# (pipeline_stages says where)
+STAGES = 3
+
 
 def _interpreting() -> bool:
     return _INTERPRET
@@ -72,7 +76,7 @@ class LaunchConfig(NamedTuple):
     num_warps: int
     split: int  # row splits (programs per (tile, site) along N)
     rows_per_split: int
-    num_stages: int = 3  # software-pipelining depth of the row loop's loads (Triton's num_stages)
+    num_stages: int = STAGES  # software-pipelining depth of the row loop's loads (Triton's num_stages)
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,9 +114,11 @@ def launch_config(N: int, S: int, D: int, device: torch.device, elem_bytes: int,
       on 132 SMs is 3 waves, the last with one program), so split = ``#SMs // S``, rounded down.
     * latency hiding comes from the pipeline, not from more resident programs: Triton
       software-pipelines the loop's x loads (``cp.async`` into shared memory, ``num_stages``
-      buffers of ``BT·BD`` elements), so with ``num_stages = 4`` each SM keeps 3 row blocks
-      (24 KB at BD = 128 bf16) in flight while it multiplies the current one, about what
-      Little's law asks of an H100 SM (3.35 TB/s × ~0.8 µs / 132 SMs ≈ 20 KB). A second
+      buffers of ``BT·BD`` elements); with 3 stages each SM keeps 2 row blocks (16 KB at
+      BD = 128 bf16) in flight while it multiplies the current one, a little under what
+      Little's law asks of an H100 SM (3.35 TB/s × ~0.8 µs / 132 SMs ≈ 20 KB). 4 stages
+      would cover it, but on an H100 (Triton 3.6) every launch measured with 4 stages that
+      failed was a 4-stage one (see :func:`pipeline_stages`), so no launch uses them. A second
       resident program would need <= 128 registers (ptxas spills the rare exact-fallback loop
       and the epilogue then) and twice the splits, i.e. twice the workspace.
     * workspace: at least ``16·D/elem_bytes`` rows per split, so the fp32 partials
@@ -138,10 +144,7 @@ def launch_config(N: int, S: int, D: int, device: torch.device, elem_bytes: int,
     split = _args.integer("split", split, minimum=1)
     rps = triton.cdiv(triton.cdiv(max(N, 1), split), BT) * BT
     split = triton.cdiv(max(N, 1), rps)
-    # deeper load pipeline where the loop is memory bound (16-bit, uncentered, fused); the
-    # centered split (4 dots per block) is compute bound and keeps Triton's default
-    stages = 4 if NTILE == 1 and elem_bytes == 2 and not center else 3
-    return LaunchConfig(BD, NTILE, BT, num_warps, split, rps, pipeline_stages(stages, N, rps, split, BT))
+    return LaunchConfig(BD, NTILE, BT, num_warps, split, rps, pipeline_stages(STAGES, N, rps, split, BT))
 
 
 def pipeline_stages(wanted: int, N: int, rows_per_split: int, split: int, BT: int) -> int:
@@ -150,17 +153,20 @@ def pipeline_stages(wanted: int, N: int, rows_per_split: int, split: int, BT: in
     On an H100 (Triton 3.6, 2026-11-26, ``benchmarks/gpu_diag.py accuracy``) the fused kernel
     with 4 stages gave wrong sums that changed from launch to launch (a race, errors up to 19 %)
     whenever a program's loop had 2 row blocks: fp16 and bf16 ``[2, 24, 2, 128]`` with 32-row
-    blocks, and ``[2, 64, 2, 128]`` with 64-row blocks. The same launches with 3 or 2 stages,
-    and 4 stages over 3 or more blocks, were exact. Capping the stages at the loop's trip count
-    keeps every measured failing launch off that path; inputs that small gain nothing from a
-    deep pipeline anyway.
+    blocks, and ``[2, 64, 2, 128]`` with 64-row blocks; the same launches with 3 or 2 stages
+    were exact. The next run (2026-11-27) still found 4-stage launches wrong over 8 and 16 row
+    blocks (bf16 ``[2, 128, 4, 96]`` and ``[2, 256, 8, 128]`` against fp64; their fp16 twins
+    passed), so the launcher asks for :data:`STAGES` (3), never 4, and caps even those at the
+    loop's trip count: inputs that small gain nothing from a deeper pipeline.
     """
     last = max(N, 1) - (split - 1) * rows_per_split  # the last program's rows (the fewest)
     return max(1, min(wanted, triton.cdiv(min(rows_per_split, last), BT)))
 
 
-def block_accumulation(split_bf16: bool) -> int:
-    """Where a row block's products are summed (``_gram_dot``'s ``ACC``): 2 for the centred split.
+def block_accumulation(tensor_cores: bool) -> int:
+    """Where a row block's products are summed (``_gram_dot``'s ``ACC``): 2 wherever the dots run
+    on tensor cores (16-bit input, centred or not), 0 for fp32 input (``ieee`` dots on the FMA
+    units, which round every add).
 
     Measured on an H100 (Triton 3.6, 2026-11-26, ``benchmarks/gpu_diag.py accuracy``): the
     centred hi + lo split, its four dots accumulating into ``G`` inside the tensor-core
@@ -168,14 +174,22 @@ def block_accumulation(split_bf16: bool) -> int:
     means lie near their spread; its three correction dots summed apart (``ACC=1``), 9-18x;
     the whole block summed in its own tile and added to ``G`` by an fp32 add (``ACC=2``),
     1.2-1.4x. The tensor cores' accumulation, not the split, loses the bits. Uncentred 16-bit
-    products are exact and a single dot per block: they keep ``ACC=0`` (0.9-1.9x torch there).
+    products are exact too, but their sums went through the same accumulation: the next run
+    (2026-11-27) found them outside 4x torch fp32 against fp64 (fp16 ``[512, 2048]`` rows about
+    a mean of up to 100). A model of the matrix instruction that reproduces the split's
+    measured 35-59x (each 16-row step's sum truncated to fp32) puts uncentred rows at 5-16x
+    torch with ``ACC=0`` over 512-1024 rows, and at 1.1-1.9x with the block tile flushed every
+    128 rows (``triton_kernels.FLUSH_ROWS``), which they now use. Not yet run on a GPU.
     Cost of the second fp32 tile, compiled for sm_90 (Triton 3.6 / 3.9, masked rows): the
     centred keys kernel (``BD = 128``, 32-row blocks) 234 -> 252 / 229 -> 240 registers, no
     spills, row loop 399 -> 484 / 414 -> 502 instructions per warp (+21 %); the tiled FFN kernel
     214 -> 255 / 212 -> 255 registers, an 8 / 24 byte stack (2 / 0 spill instructions in the
-    loop), loop +8 % / +4 %. Not yet timed on a GPU.
+    loop), loop +8 % / +4 %. Uncentred (Triton 3.9): the keys kernel 180 -> 224 registers, no
+    spills, loop 180 -> 190 instructions per warp plus a 197-instruction flush every 4th block
+    (64 adds, the zeroed tile); the tiled fp16 kernel 192 -> 254 registers, no spills, loop
+    623 -> 790. Not yet timed on a GPU. ``benchmarks/tensor_core_sum_model.py`` is the model.
     """
-    return 2 if split_bf16 else 0
+    return 2 if tensor_cores else 0
 
 
 def _check(x: Tensor, mask: Tensor | None, row_step: int) -> int:
@@ -228,7 +242,7 @@ def covariance_partials_triton(x: Tensor, mask: Tensor | None = None, row_step: 
     fused = cfg.NTILE == 1
     lowp = x.dtype in (torch.bfloat16, torch.float16)
     split_bf16 = bool(center) and lowp
-    acc = block_accumulation(split_bf16) if acc is None else acc
+    acc = block_accumulation(lowp) if acc is None else acc
     acc = _args.choice("acc", _args.integer("acc", acc, minimum=0), (0, 1, 2))
     if mask is not None:
         mask = mask if mask.dtype == torch.bool else mask != 0
