@@ -14,6 +14,9 @@ Time cap. With ``FASTSPEC_TEST_DEADLINE`` set (seconds since the epoch, as ``tim
 test starts after it: the rest are skipped as not started, and the summary says how many. The
 GPU kit sets it to its tests step's cap, a grace period before it interrupts pytest, so the
 interrupt no longer lands inside a running test (where an import can turn it into a failure).
+Under a cap a failure's reason is also printed the moment the test fails (the last lines of
+its report, ``failed now: <test>``): a run still cut before pytest's own summary (a test past
+the cap that does not end in the grace period) keeps why each finished test failed.
 """
 from __future__ import annotations
 
@@ -54,9 +57,35 @@ def _deadline() -> float | None:
                                 f"got {value!r}") from None
 
 
+FAILED_NOW = "failed now:"
+FAILED_NOW_LINES = 15  # of a failure's report, printed under a cap the moment the test fails
+
+_config = None  # pytest_runtest_logreport gets no config
+
+
 def pytest_configure(config):
+    global _config
+    _config = config
     # read once; a bad value stops the run before the first test, in one line
     config._fastspec_deadline = _deadline()
+
+
+def pytest_runtest_logreport(report):
+    # the controller (pytest-xdist's too: it replays its workers' reports) prints; workers
+    # have no terminal of their own
+    config = _config
+    if (not report.failed or config is None or config._fastspec_deadline is None
+            or hasattr(config, "workerinput")):
+        return
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return
+    lines = [ln for ln in report.longreprtext.splitlines() if ln.strip()][-FAILED_NOW_LINES:]
+    if getattr(reporter._tw, "width_of_current_line", 0):  # after -q's progress characters
+        reporter._tw.line()
+    reporter.write_line(f"{FAILED_NOW} {report.nodeid} ({report.when})")
+    for ln in lines:
+        reporter.write_line(f"    {ln}")
 
 
 def pytest_runtest_setup(item):

@@ -12,7 +12,8 @@
   errors and a broken accuracy claim, or why it was skipped), the accuracy summary of
   ``compare.json``, the eigensolver race's winner and times per shape (``race.json``,
   ``eig_race.py``), the tools' verdicts from ``tools.txt``, the accuracy rows and timing lines
-  of ``diag.txt`` (``gpu_diag.py``) and pytest's closing line from ``tests.txt``.
+  of ``diag.txt`` (``gpu_diag.py``) and pytest's closing line from ``tests.txt``, each failing
+  test with its assertion's message where the tests step printed it.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ from fastspec.bench.table import budget_text, clocked_time, overhead_text
 PYTEST_CLOSING = re.compile(r"^=*\s*(\d+ (passed|failed|skipped|deselected|errors?)\b|no tests ran)")
 # a failing test in ``pytest -v`` output: serial (``NODEID FAILED [ 3%]``), under xdist
 # (``[gw2] [ 3%] FAILED NODEID``) and pytest's own -rfE summary (``FAILED NODEID - ...``)
+# conftest.py's line as a test fails under a cap (FASTSPEC_TEST_DEADLINE)
+FAILED_NOW = re.compile(r"^failed now: (tests/\S+) \((?:setup|call|teardown)\)")
 PYTEST_FAILED = re.compile(r"(?:^|\s)(?:(FAILED|ERROR) (tests/\S+)|(tests/\S+) (FAILED|ERROR)\b)")
 
 
@@ -167,8 +170,29 @@ def summary(out: Path, bench: dict | None) -> list[str]:
         for ln in text:
             for m in PYTEST_FAILED.finditer(ln):
                 failed.setdefault(m[2] or m[3], m[1] or m[4])
-        lines += [f"tests: {what} {name}" for name, what in failed.items()]
+        why = failure_reasons(text)
+        lines += [f"tests: {what} {name}" + (f": {why[name]}" if name in why else "")
+                  for name, what in failed.items()]
     return lines
+
+
+def failure_reasons(text: list[str]) -> dict[str, str]:
+    """Test id -> the first ``E`` line of the report the repository's conftest.py prints the
+    moment a test fails under the kit's cap (``failed now: NODEID (call)``, then its report's
+    last lines, indented), so a step cut before pytest's summary still says why."""
+    why: dict[str, str] = {}
+    name = None
+    for ln in text:
+        m = FAILED_NOW.match(ln)
+        if m:
+            name = m[1]
+        elif name is not None and ln.startswith("    "):
+            e = ln.strip()
+            if e.startswith("E ") and name not in why:
+                why[name] = e[1:].strip()[:200]
+        else:
+            name = None
+    return why
 
 
 def main(argv: list[str] | None = None) -> int:

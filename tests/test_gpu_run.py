@@ -465,6 +465,25 @@ def test_the_summary_names_each_failing_test_even_when_pytest_was_cut_off(tmp_pa
                      "tests: FAILED tests/test_b.py::test_serial[x]", "tests: ERROR tests/test_c.py::test_setup"]
 
 
+def test_the_summary_gives_each_failure_its_reason_as_printed_when_it_failed(tmp_path):
+    # conftest.py prints a failure's last report lines under the kit's cap (FASTSPEC_TEST_DEADLINE)
+    (tmp_path / "tests.txt").write_text(
+        "[gw6] [ 15%] FAILED tests/test_covariance_triton.py::test_gpu_against_fp64[raw-keys-bf16] \n"
+        "\n"
+        "failed now: tests/test_covariance_triton.py::test_gpu_against_fp64[raw-keys-bf16] (call)\n"
+        "    [gw6] linux -- Python 3.12.3 /usr/bin/python3\n"
+        "    >       assert e2 <= RATIO * r2 + FLOOR, f\"second moment: ...\"\n"
+        "    E       AssertionError: second moment: kernel 3.1e-06 vs torch 2.4e-08\n"
+        "    E       assert 3.1e-06 <= 5.7e-07\n"
+        "    tests/test_covariance_triton.py:91: AssertionError\n"
+        "[gw2] [ 16%] PASSED tests/test_a.py::test_ok\n"
+        "[gw3] [ 17%] FAILED tests/test_b.py::test_cut_before_its_report\n")
+    lines = [ln for ln in gpu_summary.summary(tmp_path, None) if ln.startswith("tests:")]
+    reason = "AssertionError: second moment: kernel 3.1e-06 vs torch 2.4e-08"
+    assert lines == [f"tests: FAILED tests/test_covariance_triton.py::test_gpu_against_fp64[raw-keys-bf16]: {reason}",
+                     "tests: FAILED tests/test_b.py::test_cut_before_its_report"]
+
+
 def test_the_sanitizer_counts_kernel_errors_not_host_api_errors():
     # the H200 run's memcheck failed on 34 cuGetProcAddress API errors of cuda-bindings' loader
     for mode in ("memcheck", "racecheck"):

@@ -76,6 +76,32 @@ def test_no_test_starts_past_the_deadline_and_the_summary_counts_them(sample, mo
     assert "tests not started" not in res.stdout.str()
 
 
+def test_under_a_deadline_a_failure_is_printed_when_it_happens(pytester, monkeypatch):
+    """The GPU kit's tests step can be cut before pytest's summary: each failure's last report
+    lines are printed as the test fails, before the next test starts, and only under a cap."""
+    import time
+
+    pytester.makeconftest((ROOT / "conftest.py").read_text())
+    pytester.makepyfile(test_two="""
+def test_breaks():
+    kernel, torch_err = 3.5e-06, 1.3e-07
+    assert kernel <= 4 * torch_err, f"second moment: kernel {kernel:.3g} vs torch {torch_err:.3g}"
+
+def test_after():
+    print("the next test ran")
+""")
+    monkeypatch.setenv("FASTSPEC_TEST_DEADLINE", f"{time.time() + 600:.3f}")
+    res = pytester.runpytest("-p", "no:cacheprovider", "-s", "-q")
+    res.assert_outcomes(failed=1, passed=1)
+    out = res.stdout.lines
+    first = next(i for i, ln in enumerate(out) if ln.startswith("failed now: test_two.py::test_breaks (call)"))
+    reason = next(i for i, ln in enumerate(out) if "AssertionError: second moment: kernel 3.5e-06 vs torch 1.3e-07" in ln)
+    assert first < reason < next(i for i, ln in enumerate(out) if "the next test ran" in ln)
+    monkeypatch.delenv("FASTSPEC_TEST_DEADLINE")
+    res = pytester.runpytest("-p", "no:cacheprovider", "-q")
+    assert "failed now:" not in res.stdout.str()
+
+
 def test_a_deadline_that_is_no_time_is_a_one_line_usage_error(sample, monkeypatch):
     monkeypatch.setenv("FASTSPEC_TEST_DEADLINE", "in ten minutes")
     res = sample.runpytest("-p", "no:cacheprovider")
