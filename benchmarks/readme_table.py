@@ -69,14 +69,35 @@ def _gpu_first(docs: list[tuple[Path, dict]]) -> list[tuple[Path, dict]]:
     return sorted(docs, key=lambda item: (item[1]["environment"]["device"] == "cpu", item[0].name))
 
 
+def newest_gpu_runs(docs: list[tuple[Path, dict]]) -> tuple[list[tuple[Path, dict]], list[tuple[Path, dict]]]:
+    """``(shown, earlier)``: of the GPU documents, those of each device's newest date (one GPU
+    run: its commands' files), the others earlier; every CPU document is shown (each is a
+    benchmark of its own)."""
+    def device(doc: dict) -> str:
+        return doc["environment"]["device"]
+
+    newest: dict[str, str] = {}
+    for _, doc in docs:
+        if device(doc) != "cpu":
+            newest[device(doc)] = max(newest.get(device(doc), ""), doc["date"][:10])
+    shown = [(p, d) for p, d in docs if device(d) == "cpu" or d["date"][:10] == newest[device(d)]]
+    return shown, [(p, d) for p, d in docs if device(d) != "cpu" and d["date"][:10] != newest[device(d)]]
+
+
 def readme_block(results_dir: Path, relative_to: Path = Path(".")) -> str:
-    """The markdown between the README markers: one table per result file, measured rows only.
+    """The markdown between the README markers: one table per result file, measured rows only,
+    for each GPU its newest run (the earlier runs' files are named below the tables).
 
     File names are written relative to ``relative_to`` (the README's folder).
     """
+    def rel(path: Path) -> str:
+        return Path(os.path.relpath(path, relative_to)).as_posix()
+
     parts = []
-    for path, doc in _gpu_first(load_results(results_dir)):
-        name = Path(os.path.relpath(path, relative_to)).as_posix()
+    bench, earlier = newest_gpu_runs(load_results(results_dir))
+    compare, earlier_compare = newest_gpu_runs(load_results(results_dir, "compare"))
+    for path, doc in _gpu_first(bench):
+        name = rel(path)
         measured = [r for r in doc["results"] if "fastspec_s" in r]
         left_out = len(doc["results"]) - len(measured)
         threads = f", torch threads: {doc['torch_threads']}" if doc["environment"]["device"] == "cpu" else ""
@@ -84,8 +105,12 @@ def readme_block(results_dir: Path, relative_to: Path = Path(".")) -> str:
                      f"`{doc['tier']}` sizes, from `{name}`"
                      + (f" ({left_out} case(s) not run there: see the file)" if left_out else "") + "\n")
         parts.append(render_markdown(BENCH_COLUMNS, [bench_cells(r) for r in measured]) + "\n")
-    for path, doc in _gpu_first(load_results(results_dir, "compare")):
-        parts.append(compare_summary(doc, Path(os.path.relpath(path, relative_to)).as_posix()))
+    for path, doc in _gpu_first(compare):
+        parts.append(compare_summary(doc, rel(path)))
+    older = sorted(earlier + earlier_compare, key=lambda item: item[0].name)
+    if older:
+        parts.append("Earlier GPU runs (each device's newest run is above): "
+                     + ", ".join(f"`{rel(p)}`" for p, _ in older) + ".\n")
     if not parts:
         parts.append("No benchmark results committed yet.\n")
     return "\n".join(parts)

@@ -22,7 +22,16 @@ from fastspec.bench.table import (
     speedup_text,
     time_ratio_band,
 )
-from benchmarks.readme_table import BEGIN, END, load_results, main, readme_block, splice, update_readme
+from benchmarks.readme_table import (
+    BEGIN,
+    END,
+    load_results,
+    main,
+    newest_gpu_runs,
+    readme_block,
+    splice,
+    update_readme,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -47,17 +56,40 @@ def test_committed_results_name_device_date_and_versions():
 
 def test_every_readme_number_comes_from_a_result_file():
     block = readme_block(RESULTS, ROOT)
-    for path, doc in load_results(RESULTS):
+    shown, earlier = newest_gpu_runs(load_results(RESULTS))
+    for path, doc in earlier:  # named, not tabulated
+        assert f"`{path.relative_to(ROOT).as_posix()}`" in block.split("Earlier GPU runs")[1]
+    for path, doc in shown:
         assert f"`{path.relative_to(ROOT).as_posix()}`" in block
         for r in doc["results"]:
             if "fastspec_s" in r:  # the size cell may carry a note, e.g. "(run with 16 layers to fit)"
                 row = rf"\| {re.escape(r['suite'])} \| {re.escape(r['size'])}( \([^|]*\))? \| {re.escape(r['variant'])} \|"
                 assert re.search(row, block), row
-    for path, doc in load_results(RESULTS, "compare"):
+    for path, doc in newest_gpu_runs(load_results(RESULTS, "compare"))[0]:
         ran = [r for r in doc["results"] if "skipped" not in r]  # rows a time cap cut are not counted
         ok = sum(bool(r["within_2x_torch"]) for r in ran)
         assert f"{ok}/{len(ran)} (family, n, solver)" in block
         assert f"`{path.relative_to(ROOT).as_posix()}`" in block
+
+
+def test_each_gpu_shows_its_newest_run_and_names_the_earlier_ones(tmp_path):
+    # two runs of one GPU: the newer one's files are tabulated, the older ones only named; the
+    # CPU files and another GPU's only run stay
+    src = max(RESULTS.glob("nvidia-h100-*-1-headline.json"))
+    doc = json.loads(src.read_text())
+    for date in ("2026-12-01", "2026-12-09"):
+        doc["date"] = date + doc["date"][10:]
+        doc["results"][0]["variant"] = f"run-of-{date}"
+        (tmp_path / f"nvidia-h100-{date}-1-headline.json").write_text(json.dumps(doc))
+    cpu = next(p for p, d in load_results(RESULTS) if d["environment"]["device"] == "cpu")
+    shutil.copy(cpu, tmp_path / cpu.name)
+    block = readme_block(tmp_path, tmp_path)
+    assert "| run-of-2026-12-09 |" in block and "| run-of-2026-12-01 |" not in block
+    assert block.split("Earlier GPU runs")[1].count("`nvidia-h100-2026-12-01-1-headline.json`") == 1
+    assert f"from `{cpu.name}`" in block
+    shown, earlier = newest_gpu_runs(load_results(tmp_path))
+    assert [p.name for p, _ in earlier] == ["nvidia-h100-2026-12-01-1-headline.json"]
+    assert len(shown) == 2
 
 
 def test_update_rewrites_only_the_marked_block(tmp_path):
@@ -79,8 +111,8 @@ def test_a_new_result_file_makes_the_readme_stale(tmp_path):
     readme.write_text(f"{BEGIN}\n{END}\n")
     update_readme(readme, results)
     path, doc = load_results(results)[0]
-    doc = {**doc, "environment": {**doc["environment"], "device": "NVIDIA H100 80GB HBM3",
-                                  "driver": "580.65.06", "cuda": "13.0"}}
+    doc = {**doc, "date": "2099-01-01", "environment": {**doc["environment"], "device": "NVIDIA H100 80GB HBM3",
+                                                        "driver": "580.65.06", "cuda": "13.0"}}
     (results / "h100-test.json").write_text(json.dumps(doc))
     assert update_readme(readme, results, check=True) is False
     update_readme(readme, results)
