@@ -26,7 +26,8 @@ ratio, and ``moving`` when two launches on the same input gave different bits (a
 ``profile``: where the time goes. ``cov-call``: one keys update ``[8, 8, 2048, 128]`` bf16, host
 time per call (50 calls, no sync in between) against device time (one CUDA graph of the call,
 replayed 50 times), for the partials launch alone (uncentred and centred) and for
-``Covariance.update`` as the probe runs it. Then torch.profiler's top operations (by device
+``Covariance.update`` as the probe runs it. ``eig-call``: the same two times for
+``fastspec.eigvalsh`` on 4096 × 128² fp32. Then torch.profiler's top operations (by device
 time and by host time) of ``Probe.measure`` at the 1.5B shape, and of training steps with keys
 streaming, with the plain forward and step timed beside them.
 
@@ -246,6 +247,23 @@ def cov_call(dry: bool) -> None:
         print(f"  {name:<30} host {host:9.1f}   device {dev_text}", flush=True)
 
 
+def eig_call(dry: bool) -> None:
+    """``fastspec.eigvalsh`` on the headline batch: the bench's event-timed call was 0.4 ms
+    longer than the race's kernel alone (2.91 vs 2.51 ms, H100 2026-11-27); host vs device."""
+    import torch
+
+    import fastspec
+
+    dev = _device(dry)
+    B, n = (8, 16) if dry else (4096, 128)
+    a = torch.randn(B, n, n, device=dev)
+    a = a @ a.mT / n
+    print(f"eig-call: B{B}-n{n}-fp32; µs per call")
+    host, device = host_and_device_us(lambda: fastspec.eigvalsh(a), dev)
+    dev_text = f"{device:.1f}" if isinstance(device, float) else device
+    print(f"  eigvalsh (auto)                host {host:9.1f}   device {dev_text}", flush=True)
+
+
 def _top(prof, device) -> str:
     keys = ["self_cpu_time_total"]
     if device.type == "cuda":
@@ -347,7 +365,7 @@ def profile_step(dry: bool) -> None:
 
 def profile_all(dry: bool, limit: float | None) -> int:
     clock = Clock(limit)
-    parts = {"cov-call": cov_call, "measure": profile_measure, "train-step": profile_step}
+    parts = {"cov-call": cov_call, "eig-call": eig_call, "measure": profile_measure, "train-step": profile_step}
     for name, part in parts.items():
         if clock.left() < 0:
             print(f"{name}: not run (time limit)")

@@ -126,7 +126,7 @@ def row_line(r: dict) -> str:
     return line
 
 
-DIAG_LINE = r"^(case |raw |split |not run|cov-call|  partials|  Covariance|measure:|train step:|[\w-]+: (ERROR|not run))"
+DIAG_LINE = r"^(case |raw |split |not run|cov-call|eig-call|  partials|  Covariance|  eigvalsh|measure:|train step:|[\w-]+: (ERROR|not run))"
 
 
 def summary(out: Path, bench: dict | None) -> list[str]:

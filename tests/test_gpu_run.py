@@ -434,7 +434,8 @@ def test_the_diagnostics_stop_at_their_time_limit_and_need_the_interpreter_on_cp
     assert out.splitlines()[0].split()[:3] == ["case", "dtype", "BT"] and rows >= 4
     assert f"not run (time limit): {rows} settings" in out
     assert gpu_diag.main(["profile", "--dry-run", "--time-limit", "0"]) == 0
-    assert [ln.split(":")[0] for ln in capsys.readouterr().out.splitlines()] == ["cov-call", "measure", "train-step"]
+    assert [ln.split(":")[0] for ln in capsys.readouterr().out.splitlines()] == ["cov-call", "eig-call", "measure",
+                                                                                 "train-step"]
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(SystemExit, match="set TRITON_INTERPRET=1"):
         gpu_diag.main(["accuracy", "--dry-run"])
@@ -444,12 +445,14 @@ def test_the_summary_keeps_the_diagnostics_rows_not_the_profiler_tables(tmp_path
     (tmp_path / "diag.txt").write_text(
         "case       dtype   BT warps stages acc  kernel err\n"
         "raw T=24   float16  32     8      4   0    0.0172   1.1e-07   1.5e+05  no\n"
+        "eig-call: B4096-n128-fp32; µs per call\n"
+        "  eigvalsh (auto)                host     412.0   device 2550.1\n"
         "measure: L32-KV8: forward 88.6 ms, measure 112 ms\n"
         "-- top by self_cpu_time_total\n"
         "   aten::mm   11.26%   198.045us\n"
         "train-step: ERROR RuntimeError: out of memory\n")
     lines = gpu_summary.summary(tmp_path, None)
-    assert [ln.split()[0] for ln in lines[3:]] == ["case", "raw", "measure:", "train-step:"], lines
+    assert [ln.split()[0] for ln in lines[3:]] == ["case", "raw", "eig-call:", "eigvalsh", "measure:", "train-step:"], lines
 
 
 def test_the_summary_names_each_failing_test_even_when_pytest_was_cut_off(tmp_path):
@@ -613,16 +616,20 @@ def test_dry_run_of_the_whole_plan_offline_with_tools_and_anchors_missing(tmp_pa
     assert "ncu: skipped" in logs[2] and "compute-sanitizer: skipped" in logs[3]
     # the diagnostics ran, interpreted: the accuracy rows and the profile's timing lines reach the summary
     accuracy = (tmp_path / "out1" / "diag.txt").read_text()
-    # the launcher's own choice first: 2 load stages for the 2 row blocks of T = 24, acc 0 (raw);
-    # the split's own choice sums each block in its tile (acc 2)
-    assert re.search(r"^raw T=24 +float16 +32 +8 +2 +0 +[\d.e+-]+ +[\d.e+-]+ +[\d.e+-]+ +no$", accuracy, re.MULTILINE), accuracy
+    # the launcher's own choice first: 2 load stages for the 2 row blocks of T = 24, and every
+    # 16-bit launch sums its dots in a block tile (acc 2), uncentred or split; the long
+    # uncentred case also asks for acc 0
+    assert re.search(r"^raw T=24 +float16 +32 +8 +2 +2 +[\d.e+-]+ +[\d.e+-]+ +[\d.e+-]+ +no$", accuracy, re.MULTILINE), accuracy
+    assert re.search(r"^raw N=64 +float16 +32 +8 +2 +2 .* no$", accuracy, re.MULTILINE), accuracy
+    assert re.search(r"^raw N=64 +float16 +32 +8 +2 +0 .* no$", accuracy, re.MULTILINE), accuracy
     assert re.search(r"^split +float16 +\d+ +\d+ +\d+ +2 ", accuracy, re.MULTILINE), accuracy
     # gpu_diag's own failure lines ("<row>  ERROR ...", "<part>: ERROR ..."); not Kineto's stderr,
     # which torch's CUDA builds print on a machine without a GPU ("ERROR:... gpuGetDeviceCount")
     own_error = re.compile(r"(  ERROR |^[\w-]+: ERROR )", re.MULTILINE)
     assert re.search(r"^split +float16 .* no$", accuracy, re.MULTILINE) and not own_error.search(accuracy)
     profile = (tmp_path / "out2" / "diag.txt").read_text()
-    for line in ("cov-call: keys", "  partials, uncentred", "measure: L", "train step: L", "-- top by self_cpu_time_total"):
+    for line in ("cov-call: keys", "  partials, uncentred", "eig-call: B8-n16-fp32", "  eigvalsh (auto)", "measure: L",
+                 "train step: L", "-- top by self_cpu_time_total"):
         assert line in profile, profile[-3000:]
     assert not own_error.search(profile), profile[-3000:]
     assert re.search(r"^raw T=24 ", logs[1], re.MULTILINE) and re.search(r"^train step: L", logs[2], re.MULTILINE)
