@@ -118,9 +118,8 @@ def accuracy_rows(dry: bool) -> list[tuple[str, dict, Callable]]:
         return lambda: (torch.randn(1, 1024, 1, D, device=dev) * torch.linspace(0.05, 2, D, device=dev)
                         + torch.linspace(-4, 4, D, device=dev)).to(dtype)
 
-    def config(N: int, S: int, center: bool, BT: int | None = None, warps: int | None = None,
-               stages: int | None = None):
-        cfg = launch_config(N, S, D, dev, 2, None, center)
+    def config(N: int, S: int, BT: int | None = None, warps: int | None = None, stages: int | None = None):
+        cfg = launch_config(N, S, D, dev, 2, None)
         BT = BT or cfg.BT
         rps = triton.cdiv(triton.cdiv(N, cfg.split), BT) * BT
         split = triton.cdiv(N, rps)
@@ -139,16 +138,16 @@ def accuracy_rows(dry: bool) -> list[tuple[str, dict, Callable]]:
     if dry:
         long_settings, raw_settings, split_settings = long_settings[:2], raw_settings[:1], split_settings[:1]
 
-    def add(name, N, S, center, settings, make, dtype):
+    def add(name, N, S, settings, make, dtype):
         for BT, warps, stages, acc in settings:
-            cfg = config(N, S, center, BT, warps, stages)
+            cfg = config(N, S, BT, warps, stages)
             rows.append((name, {"config": cfg, "acc": acc, "dtype": dtype}, make))
 
     N = 64 if dry else 1024
     for dtype in dtypes:
-        add(f"raw N={N}", N, 1, False, long_settings, long_input(dtype, N), dtype)
-        add("raw T=24", 48, 2, False, raw_settings, raw_input(dtype, 24), dtype)
-        add("split", 1024, 1, True, split_settings, split_input(dtype), dtype)
+        add(f"raw N={N}", N, 1, long_settings, long_input(dtype, N), dtype)
+        add("raw T=24", 48, 2, raw_settings, raw_input(dtype, 24), dtype)
+        add("split", 1024, 1, split_settings, split_input(dtype), dtype)
     return rows
 
 
@@ -242,9 +241,14 @@ def cov_call(dry: bool) -> None:
              "Covariance.update (auto, sv)": lambda: cov.update(x)}
     print(f"cov-call: keys [{B}, {H}, {T}, {D}] {dtype}; µs per call")
     for name, fn in calls.items():
-        host, device = host_and_device_us(fn, dev)
-        dev_text = f"{device:.1f}" if isinstance(device, float) else device
-        print(f"  {name:<30} host {host:9.1f}   device {dev_text}", flush=True)
+        print_call(name, fn, dev)
+
+
+def print_call(name: str, fn: Callable[[], object], dev) -> None:
+    """One ``cov-call`` / ``eig-call`` line: :func:`host_and_device_us` of ``fn``."""
+    host, device = host_and_device_us(fn, dev)
+    dev_text = f"{device:.1f}" if isinstance(device, float) else device
+    print(f"  {name:<30} host {host:9.1f}   device {dev_text}", flush=True)
 
 
 def eig_call(dry: bool) -> None:
@@ -259,9 +263,7 @@ def eig_call(dry: bool) -> None:
     a = torch.randn(B, n, n, device=dev)
     a = a @ a.mT / n
     print(f"eig-call: B{B}-n{n}-fp32; µs per call")
-    host, device = host_and_device_us(lambda: fastspec.eigvalsh(a), dev)
-    dev_text = f"{device:.1f}" if isinstance(device, float) else device
-    print(f"  eigvalsh (auto)                host {host:9.1f}   device {dev_text}", flush=True)
+    print_call("eigvalsh (auto)", lambda: fastspec.eigvalsh(a), dev)
 
 
 def _top(prof, device) -> str:

@@ -80,8 +80,11 @@ def newest_gpu_runs(docs: list[tuple[Path, dict]]) -> tuple[list[tuple[Path, dic
     for _, doc in docs:
         if device(doc) != "cpu":
             newest[device(doc)] = max(newest.get(device(doc), ""), doc["date"][:10])
-    shown = [(p, d) for p, d in docs if device(d) == "cpu" or d["date"][:10] == newest[device(d)]]
-    return shown, [(p, d) for p, d in docs if device(d) != "cpu" and d["date"][:10] != newest[device(d)]]
+    shown, earlier = [], []
+    for path, doc in docs:
+        newer = device(doc) == "cpu" or doc["date"][:10] == newest[device(doc)]
+        (shown if newer else earlier).append((path, doc))
+    return shown, earlier
 
 
 def readme_block(results_dir: Path, relative_to: Path = Path(".")) -> str:

@@ -207,7 +207,7 @@ def test_the_uncentred_block_tile_is_flushed_in_the_loop_and_after_it(D, blocks)
     # the loop; one program over 7 blocks of 32 rows (fused: flushed after the 4th, 3 left) or
     # 5 of 64 (tiled: after the 2nd and 4th, 1 left). A flush that skipped its reset would count
     # rows twice, a missing last flush would drop them
-    cfg = tu.launch_config(1, 1, D, torch.device(DEVICE), 2, center=False)
+    cfg = tu.launch_config(1, 1, D, torch.device(DEVICE), 2)
     rows = blocks * cfg.BT
     assert tri.FLUSH_ROWS.value // cfg.BT >= 2 and rows > tri.FLUSH_ROWS.value
     assert rows % tri.FLUSH_ROWS.value != 0
@@ -242,12 +242,12 @@ def test_the_launcher_passes_the_measured_accumulation_and_pipeline_depth(monkey
         assert kw["num_stages"] <= min(tu.STAGES, triton.cdiv(2 * 24, kw["BT"]))
     assert tu.STAGES == 3
     assert launches[1]["num_stages"] == 2  # 3 wanted; the one program has 2 blocks
-    assert tu.launch_config(4096, 1, 128, torch.device(DEVICE), 2, center=False).num_stages == 3
+    assert tu.launch_config(4096, 1, 128, torch.device(DEVICE), 2).num_stages == 3
 
 
 def test_a_launch_configuration_can_be_given_and_acc_is_checked():
     x = torch.randn(2, 40, 2, 64, device=DEVICE).to(torch.float16)
-    cfg = tu.launch_config(80, 2, 64, torch.device(DEVICE), 2, None, False)._replace(BT=16, num_warps=4,
+    cfg = tu.launch_config(80, 2, 64, torch.device(DEVICE), 2, None)._replace(BT=16, num_warps=4,
                                                                                        rows_per_split=48, split=2)
     got = check_against_fp64(x, center=False, config=cfg)
     assert got.n.tolist() == [80, 80]
@@ -444,15 +444,14 @@ def test_row_walk_variants(monkeypatch, T, row_step, layout):
 def test_launch_config_one_wave_and_bounded_workspace(monkeypatch):
     monkeypatch.setattr(tu, "_sm_count", lambda index: 132)
     cuda = torch.device("cuda", 0)
-    keys = tu.launch_config(8 * 2048, 8, 128, cuda, 2, center=False)
+    keys = tu.launch_config(8 * 2048, 8, 128, cuda, 2)  # centred or not: the same tiling
     assert (keys.BT, keys.num_warps, keys.num_stages) == (32, 8, 3)  # 4 stages raced on an H100
     assert keys.split * 8 <= 132 and keys.split == 16 and keys.rows_per_split == 1024
     # the fp32 workspace stays under a quarter of the bytes of x it summarizes
     assert keys.split * 128 * 128 * 4 <= 8 * 2048 * 128 * 2 / 4
-    assert tu.launch_config(8 * 2048, 8, 128, cuda, 2, center=True).num_stages == 3
     # never more load-pipeline stages than the shortest program's row blocks: [2, 24, 2, 128]
     # raw is 2 blocks of 32 rows in one program
-    assert tu.launch_config(2 * 24, 2, 128, cuda, 2, center=False).num_stages == 2
+    assert tu.launch_config(2 * 24, 2, 128, cuda, 2).num_stages == 2
     assert tu.pipeline_stages(4, 16384, 1024, 16, 32) == 4
     assert tu.pipeline_stages(4, 3 * 32, 96, 1, 32) == 3
     assert tu.pipeline_stages(3, 1025, 1024, 2, 32) == 1  # the last program has one row
@@ -615,7 +614,7 @@ for dt, center, D, ntile in [("bf16", True, 128, 1), ("fp16", False, 2048, 16), 
     out[dt] = {"wgmma": code.count("wgmma.mma_async"), "tf32": code.count("tf32")}
 # the keys kernel as the launcher configures it (bf16, D = 128, fused), both conventions
 for center in (False, True):
-    cfg = tu.launch_config(8 * 2048, 8, 128, torch.device("cpu"), 2, split=16, center=center)
+    cfg = tu.launch_config(8 * 2048, 8, 128, torch.device("cpu"), 2, split=16)
     consts = dict(HAS_MASK=True, FUSED_STATUS=True, CENTER=center, SPLIT_BF16=center, UPCAST=False,
                   PRECISION="ieee", ACC=tu.block_accumulation(True), NTILE=cfg.NTILE, TK_GE_BT=True,
                   BT=cfg.BT, BD=cfg.BD)

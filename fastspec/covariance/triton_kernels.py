@@ -255,16 +255,17 @@ def _gram_dot(b_a, b_b, b_acc, b_blk, i_blk, SPLIT_BF16: tl.constexpr, UPCAST: t
     bf16 products summed, so every d that needs <= 16 bits is multiplied exactly.
     UPCAST (interpreter): bf16/fp16 operands go through fp32, where their products are exact.
     ACC: where the block's products are summed (the launcher's ``block_accumulation``: 2 for
-    the split, 0 otherwise; ``benchmarks/gpu_diag.py accuracy`` sweeps all three).
+    16-bit input, on tensor cores; 0 for fp32; ``benchmarks/gpu_diag.py accuracy`` sweeps them).
     0: every dot accumulates into ``b_acc`` (the tensor core's own accumulation). 1: the split's
     three correction dots go to a per-block accumulator that is added to ``b_acc`` by an fp32
     add. 2: the products are summed in a block tile added to ``b_acc`` by an fp32 add: the
     split's four dots every block; uncentred rows' one dot into ``b_blk``, carried across
-    :data:`FLUSH_ROWS` rows (the caller adds what is left after its loop: ``_gram_flush``). 1 and 2 hold a
-    second [BM, BN] fp32 tile. On an H100 the split lost 35-59x torch's accuracy with 0 and
+    :data:`FLUSH_ROWS` rows (the caller adds what is left after its loop: ``_gram_flush``).
+    1 and 2 hold a second [BM, BN] fp32 tile. On an H100 the split lost 35-59x torch's accuracy with 0 and
     1.2-1.4x with 2: the accumulation inside the matrix instructions, not the split, was what
-    cost the bits (each matrix instruction's sum is truncated to fp32, so a long chain of them
-    drifts toward zero instead of averaging out).
+    cost the bits (a model that truncates each instruction's sum to fp32, so that a long chain
+    drifts toward zero instead of averaging out, reproduces both numbers:
+    ``benchmarks/tensor_core_sum_model.py``).
 
     Why the uncentred tile is carried across blocks: Triton rewrites ``acc + dot(a, b)`` (a
     dot from zero, then an add) into ``dot(a, b, acc)``, i.e. back into ACC=0 (compiled, the

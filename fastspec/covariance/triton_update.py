@@ -103,7 +103,7 @@ def _rows_and_warps(BD: int, NTILE: int, elem_bytes: int) -> tuple[int, int]:
 
 
 def launch_config(N: int, S: int, D: int, device: torch.device, elem_bytes: int,
-                  split: int | None = None, center: bool = True) -> LaunchConfig:
+                  split: int | None = None) -> LaunchConfig:
     """Tiles for ``[N rows, S sites, D]``: whole rows for D <= 128, else 128-wide tiles of G.
 
     ``split`` (tests) forces the number of row splits. By default (fused path, D <= 128):
@@ -117,8 +117,8 @@ def launch_config(N: int, S: int, D: int, device: torch.device, elem_bytes: int,
       buffers of ``BT·BD`` elements); with 3 stages each SM keeps 2 row blocks (16 KB at
       BD = 128 bf16) in flight while it multiplies the current one, a little under what
       Little's law asks of an H100 SM (3.35 TB/s × ~0.8 µs / 132 SMs ≈ 20 KB). 4 stages
-      would cover it, but on an H100 (Triton 3.6) every launch measured with 4 stages that
-      failed was a 4-stage one (see :func:`pipeline_stages`), so no launch uses them. A second
+      would cover it, but on an H100 (Triton 3.6) every failing launch that could be a race had
+      4 stages (see :func:`pipeline_stages`), so no launch uses them. A second
       resident program would need <= 128 registers (ptxas spills the rare exact-fallback loop
       and the epilogue then) and twice the splits, i.e. twice the workspace.
     * workspace: at least ``16·D/elem_bytes`` rows per split, so the fp32 partials
@@ -177,8 +177,8 @@ def block_accumulation(tensor_cores: bool) -> int:
     products are exact too, but their sums went through the same accumulation: the next run
     (2026-11-27) found them outside 4x torch fp32 against fp64 (fp16 ``[512, 2048]`` rows about
     a mean of up to 100). A model of the matrix instruction that reproduces the split's
-    measured 35-59x (each 16-row step's sum truncated to fp32) puts uncentred rows at 5-16x
-    torch with ``ACC=0`` over 512-1024 rows, and at 1.1-1.9x with the block tile flushed every
+    measured 35-59x (each 16-row step's sum truncated to fp32) puts uncentred rows at 4-17x
+    torch with ``ACC=0`` over 512-1024 rows, and at 1.0-2.1x with the block tile flushed every
     128 rows (``triton_kernels.FLUSH_ROWS``), which they now use. Not yet run on a GPU.
     Cost of the second fp32 tile, compiled for sm_90 (Triton 3.6 / 3.9, masked rows): the
     centred keys kernel (``BD = 128``, 32-row blocks) 234 -> 252 / 229 -> 240 registers, no
@@ -238,7 +238,7 @@ def covariance_partials_triton(x: Tensor, mask: Tensor | None = None, row_step: 
         zeros = torch.zeros(S, dtype=torch.int64, device=dev)
         return CovPartials(zeros, torch.zeros(S, D, **f32), torch.zeros(S, D, **f32),
                            torch.zeros(S, D, D, **f32), zeros.clone())
-    cfg = launch_config(N, S, D, dev, x.element_size(), split, bool(center)) if config is None else config
+    cfg = launch_config(N, S, D, dev, x.element_size(), split) if config is None else config
     fused = cfg.NTILE == 1
     lowp = x.dtype in (torch.bfloat16, torch.float16)
     split_bf16 = bool(center) and lowp
