@@ -248,7 +248,7 @@ def test_the_launcher_passes_the_measured_accumulation_and_pipeline_depth(monkey
 def test_a_launch_configuration_can_be_given_and_acc_is_checked():
     x = torch.randn(2, 40, 2, 64, device=DEVICE).to(torch.float16)
     cfg = tu.launch_config(80, 2, 64, torch.device(DEVICE), 2, None)._replace(BT=16, num_warps=4,
-                                                                                       rows_per_split=48, split=2)
+                                                                              rows_per_split=48, split=2)
     got = check_against_fp64(x, center=False, config=cfg)
     assert got.n.tolist() == [80, 80]
     for bad in (3, -1, True, 1.0):

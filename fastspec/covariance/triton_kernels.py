@@ -261,10 +261,10 @@ def _gram_dot(b_a, b_b, b_acc, b_blk, i_blk, SPLIT_BF16: tl.constexpr, UPCAST: t
     add. 2: the products are summed in a block tile added to ``b_acc`` by an fp32 add: the
     split's four dots every block; uncentred rows' one dot into ``b_blk``, carried across
     :data:`FLUSH_ROWS` rows (the caller adds what is left after its loop: ``_gram_flush``).
-    1 and 2 hold a second [BM, BN] fp32 tile. On an H100 the split lost 35-59x torch's accuracy with 0 and
-    1.2-1.4x with 2: the accumulation inside the matrix instructions, not the split, was what
-    cost the bits (a model that truncates each instruction's sum to fp32, so that a long chain
-    drifts toward zero instead of averaging out, reproduces both numbers:
+    1 and 2 hold a second [BM, BN] fp32 tile. On an H100 the split lost 35-59x torch's
+    accuracy with 0 and 1.2-1.4x with 2: the accumulation inside the matrix instructions, not
+    the split, was what cost the bits (a model that truncates each instruction's sum to fp32, so
+    that a long chain drifts toward zero instead of averaging out, reproduces both numbers:
     ``benchmarks/tensor_core_sum_model.py``).
 
     Why the uncentred tile is carried across blocks: Triton rewrites ``acc + dot(a, b)`` (a
