@@ -628,10 +628,11 @@ print(json.dumps({str(k): v for k, v in out.items()}))
 # per 32-row iteration of the fused bf16 D = 128 row loop, per warp, on sm_90 (what Triton 3.6
 # and 3.9 give, with some room): the design envelope in triton_kernels.py is built on these
 KEYS_LOOP_BOUNDS = {
-    # uncentred with its block tile (ACC=2, flushed every 128 rows): measured 388 (3.9 and
-    # 3.6): 190 per block plus the flush, which runs every 4th block; 2 barriers
-    # (184 when the dot accumulated into G, ACC=0)
-    False: dict(loop=420, BAR=2, SHFL=0),
+    # uncentred with its block tile (ACC=2, flushed every 128 rows by a select, no branch):
+    # measured 452 / 451 (3.9 / 3.6), the tile's 64 adds and 2 x 64 selects every block;
+    # 2 barriers (388 when the flush was an `if` every 4th block, which raced on an H100;
+    # 184 when the dot accumulated into G, ACC=0)
+    False: dict(loop=480, BAR=2, SHFL=0),
     # centred with its block tile (ACC=2): measured 502 (3.9) / 484 (3.6), 7 / 4 barriers
     # (414 / 399 when the dots accumulated into G, ACC=0)
     True: dict(loop=540, BAR=8, SHFL=0),

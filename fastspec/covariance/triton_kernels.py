@@ -43,17 +43,16 @@ Design envelope
   contiguous input; per 32-row iteration per warp; Triton 3.9 / 3.6 where they differ; kept
   honest by ``test_kernels_compile_for_sm90_without_a_gpu``; the last step of each row is the
   float32 block tile of ``_gram_dot``'s ``ACC=2``, flushed every block for the split and every
-  ``FLUSH_ROWS`` = 128 rows uncentred):
+  ``FLUSH_ROWS`` = 128 rows uncentred, by a select evaluated every block):
 
   ==============================  =========================  ===============================
   before -> now                   CENTER=False (``sv``)      CENTER=True (hi + lo split)
   ==============================  =========================  ===============================
-  loop instructions               454/461 -> 184 -> 190      647/644 -> 414/399 -> 502/484
-                                  + 197 every 4th block
+  loop instructions               454/461 -> 184 -> 452/451  647/644 -> 414/399 -> 502/484
   BAR per iteration               10/5 -> 2                  14/7 -> 7/4
   SHFL per iteration              32/28 -> 0                 32/28 -> 0
   int64 division in the loop      2 CALL + I2F/RCP -> none   same -> none
-  registers, spills               158/155, 0 -> 224/225, 0   174/171, 0 -> 240/252, 0
+  registers, spills               158/155, 0 -> 242/246, 0   174/171, 0 -> 240/252, 0
   num_stages (cp.async depth)     3 (4 raced on an H100)     3
   ==============================  =========================  ===============================
 
@@ -106,6 +105,13 @@ Byte/flop arithmetic (H100 SXM: ~3.35 TB/s HBM, ~990 TFLOP/s dense bf16; H200: 4
   uncentred 16-bit sums about large means then failed against fp64 (3 tests), which moved the
   uncentred dots to the block tile too and every launch to 3 stages (``block_accumulation``,
   ``pipeline_stages``). Not yet timed on a GPU.
+  MEASURED on one H100 (2026-11-27, second run, Triton 3.6): that launch (the uncentred tile
+  flushed under an ``if`` every 4th block, 3 stages) raced: the keys case 6.5e-4 off fp64
+  (torch 3.7e-6), sums changing from launch to launch, and the masked D = 96 tests failed. The
+  same dots at 1 stage were exact; at 2 stages, with the tile added only after the loop, or
+  with ACC=0 on masked input they raced too; the flush as a select every block was exact and
+  steady on all 8 inputs of ``benchmarks/race_probe.py`` and passed every GPU covariance test
+  (139). Graphed keys partials: 44.7 µs per call (the racing launch 39.3, ACC=0 38.2).
 """
 from __future__ import annotations
 
@@ -270,8 +276,9 @@ def _gram_dot(b_a, b_b, b_acc, b_blk, i_blk, SPLIT_BF16: tl.constexpr, UPCAST: t
     Why the uncentred tile is carried across blocks: Triton rewrites ``acc + dot(a, b)`` (a
     dot from zero, then an add) into ``dot(a, b, acc)``, i.e. back into ACC=0 (compiled, the
     add is gone); a tile that already holds the previous blocks' products is not zero, so the
-    add stays an fp32 add. Every block would cost 64 adds and 64 zeroing moves per thread in
-    the keys kernel's 180-instruction loop; every 128 rows costs a quarter of that.
+    add stays an fp32 add. The flush into ``b_acc`` is a select evaluated every block (an ``if``
+    every 4th block raced on an H100, see the comment below): 64 adds and 2 x 64 selects per
+    thread per block, the keys kernel's loop 190 -> 452 instructions per warp, ~15 % of its time.
     """
     if SPLIT_BF16:
         b_ah = _round_to_bf16(b_a)
@@ -304,9 +311,14 @@ def _gram_dot(b_a, b_b, b_acc, b_blk, i_blk, SPLIT_BF16: tl.constexpr, UPCAST: t
             BT: tl.constexpr = b_a.shape[0]
             tl.static_assert(FLUSH_ROWS // BT >= 2, "one block per flush would be folded into ACC=0")
             b_blk = tl.dot(tl.trans(b_a), b_b, b_blk, input_precision=PRECISION)
-            if i_blk % (FLUSH_ROWS // BT) == FLUSH_ROWS // BT - 1:
-                b_acc = b_acc + b_blk
-                b_blk = tl.zeros_like(b_blk)
+            # a select every block, not an ``if`` every 4th: on an H100 (Triton 3.6) the ``if``
+            # raced (sums off by up to 1e-2 and changing from launch to launch, at 2 and 3
+            # stages, exact at 1), and so did a tile added only after the loop; the select was
+            # exact and steady on every input (benchmarks/race_probe.py). Cause not found: the
+            # TTGIR waits for each dot (pendings = 0) in both. Cost: keys 39 -> 45 us per call.
+            flush = i_blk % (FLUSH_ROWS // BT) == FLUSH_ROWS // BT - 1
+            b_acc = b_acc + tl.where(flush, b_blk, 0.0)
+            b_blk = tl.where(flush, 0.0, b_blk)
         else:
             b_acc = tl.dot(tl.trans(b_a), b_b, b_acc, input_precision=PRECISION)
     return b_acc, b_blk
