@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 from fastspec.bench.case import FLOOR_EPS
@@ -69,20 +70,29 @@ def _gpu_first(docs: list[tuple[Path, dict]]) -> list[tuple[Path, dict]]:
     return sorted(docs, key=lambda item: (item[1]["environment"]["device"] == "cpu", item[0].name))
 
 
+LEASE_S = 30 * 60  # a GPU machine is held at most 30 minutes: one run's files lie within it
+
+
+def _when(doc: dict) -> datetime:
+    """A document's ``date`` (``2026-11-27T18:00:24Z``, or a bare day: its midnight), UTC."""
+    return datetime.fromisoformat(doc["date"][:19]).replace(tzinfo=timezone.utc)
+
+
 def newest_gpu_runs(docs: list[tuple[Path, dict]]) -> tuple[list[tuple[Path, dict]], list[tuple[Path, dict]]]:
-    """``(shown, earlier)``: of the GPU documents, those of each device's newest date (one GPU
-    run: its commands' files), the others earlier; every CPU document is shown (each is a
-    benchmark of its own)."""
+    """``(shown, earlier)``: of the GPU documents, those of each device's newest run (its
+    commands' files: dated within one lease, :data:`LEASE_S`, of that device's newest file; two
+    runs can share a day), the others earlier; every CPU document is shown (each is a benchmark
+    of its own)."""
     def device(doc: dict) -> str:
         return doc["environment"]["device"]
 
-    newest: dict[str, str] = {}
+    newest: dict[str, datetime] = {}
     for _, doc in docs:
         if device(doc) != "cpu":
-            newest[device(doc)] = max(newest.get(device(doc), ""), doc["date"][:10])
+            newest[device(doc)] = max(newest.get(device(doc), _when(doc)), _when(doc))
     shown, earlier = [], []
     for path, doc in docs:
-        newer = device(doc) == "cpu" or doc["date"][:10] == newest[device(doc)]
+        newer = device(doc) == "cpu" or (newest[device(doc)] - _when(doc)).total_seconds() <= LEASE_S
         (shown if newer else earlier).append((path, doc))
     return shown, earlier
 

@@ -92,6 +92,21 @@ def test_each_gpu_shows_its_newest_run_and_names_the_earlier_ones(tmp_path):
     assert len(shown) == 2
 
 
+def test_two_runs_of_one_gpu_on_one_day_are_told_apart(tmp_path):
+    # one day, two leases: the morning run's commands (9 minutes apart: one run) are named as
+    # earlier, the evening run's two commands tabulated
+    src = max(RESULTS.glob("nvidia-h100-*-1-headline.json"))
+    doc = json.loads(src.read_text())
+    names = {"2026-12-01T09:46:00Z": "a-1", "2026-12-01T09:55:00Z": "a-3",
+             "2026-12-01T18:00:00Z": "b-1", "2026-12-01T18:05:00Z": "b-2"}
+    for date, name in names.items():
+        doc["date"] = date
+        (tmp_path / f"nvidia-h100-2026-12-01{name}.json").write_text(json.dumps(doc))
+    shown, earlier = newest_gpu_runs(load_results(tmp_path))
+    assert sorted(p.stem[-3:] for p, _ in shown) == ["b-1", "b-2"]
+    assert sorted(p.stem[-3:] for p, _ in earlier) == ["a-1", "a-3"]
+
+
 def test_update_rewrites_only_the_marked_block(tmp_path):
     results = tmp_path / "results"
     shutil.copytree(RESULTS, results)
