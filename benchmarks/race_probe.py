@@ -55,9 +55,10 @@ FLUSH: tl.constexpr = tk.FLUSH_ROWS
 
 
 @triton.jit
-def gram_branch(b_a, b_b, b_acc, b_blk, i_blk, SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr,
-                PRECISION: tl.constexpr, ACC: tl.constexpr):
-    """The uncentred block tile flushed under an ``if`` every FLUSH rows (what raced)."""
+def _variant_dot(b_a, b_b, b_acc, b_blk, i_blk, SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr,
+                 PRECISION: tl.constexpr, ACC: tl.constexpr, FLUSH_IF: tl.constexpr):
+    """Uncentred ACC=2 rows into the block tile, flushed under an ``if`` every FLUSH rows
+    (FLUSH_IF) or never (``_gram_flush`` adds it after the loop); anything else: the library."""
     if SPLIT_BF16 or ACC != 2:
         b_acc, b_blk = LIBRARY_GRAM(b_a, b_b, b_acc, b_blk, i_blk, SPLIT_BF16, UPCAST, PRECISION, ACC)
     else:
@@ -65,23 +66,25 @@ def gram_branch(b_a, b_b, b_acc, b_blk, i_blk, SPLIT_BF16: tl.constexpr, UPCAST:
             b_a, b_b = b_a.to(tl.float32), b_b.to(tl.float32)
         BT: tl.constexpr = b_a.shape[0]
         b_blk = tl.dot(tl.trans(b_a), b_b, b_blk, input_precision=PRECISION)
-        if i_blk % (FLUSH // BT) == FLUSH // BT - 1:
-            b_acc = b_acc + b_blk
-            b_blk = tl.zeros_like(b_blk)
+        if FLUSH_IF:  # noqa: SIM102 - compile-time choice; the runtime `if` inside is the one that raced
+            if i_blk % (FLUSH // BT) == FLUSH // BT - 1:
+                b_acc = b_acc + b_blk
+                b_blk = tl.zeros_like(b_blk)
     return b_acc, b_blk
+
+
+@triton.jit
+def gram_branch(b_a, b_b, b_acc, b_blk, i_blk, SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr,
+                PRECISION: tl.constexpr, ACC: tl.constexpr):
+    """The tile flushed under an ``if`` every FLUSH rows (what raced)."""
+    return _variant_dot(b_a, b_b, b_acc, b_blk, i_blk, SPLIT_BF16, UPCAST, PRECISION, ACC, True)
 
 
 @triton.jit
 def gram_end(b_a, b_b, b_acc, b_blk, i_blk, SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr,
              PRECISION: tl.constexpr, ACC: tl.constexpr):
-    """The uncentred block tile carried over the whole loop (``_gram_flush`` adds it after)."""
-    if SPLIT_BF16 or ACC != 2:
-        b_acc, b_blk = LIBRARY_GRAM(b_a, b_b, b_acc, b_blk, i_blk, SPLIT_BF16, UPCAST, PRECISION, ACC)
-    else:
-        if UPCAST:  # the interpreter (--dry-run): 16-bit products exact in fp32
-            b_a, b_b = b_a.to(tl.float32), b_b.to(tl.float32)
-        b_blk = tl.dot(tl.trans(b_a), b_b, b_blk, input_precision=PRECISION)
-    return b_acc, b_blk
+    """The tile carried over the whole loop (``_gram_flush`` adds it after)."""
+    return _variant_dot(b_a, b_b, b_acc, b_blk, i_blk, SPLIT_BF16, UPCAST, PRECISION, ACC, False)
 
 
 def install(variant: str) -> None:
