@@ -105,7 +105,7 @@ Byte/flop arithmetic (H100 SXM: ~3.35 TB/s HBM, ~990 TFLOP/s dense bf16; H200: 4
   uncentred 16-bit sums about large means then failed against fp64 (3 tests), which moved the
   uncentred dots to the block tile too and every launch to 3 stages (``block_accumulation``,
   ``pipeline_stages``). Not yet timed on a GPU.
-  MEASURED on one H100 (2026-11-27, second run, Triton 3.6): that launch (the uncentred tile
+  MEASURED on one H100 (2026-11-27 evening, Triton 3.6): that launch (the uncentred tile
   flushed under an ``if`` every 4th block, 3 stages) raced: the keys case 6.5e-4 off fp64
   (torch 3.7e-6), sums changing from launch to launch, and the masked D = 96 tests failed. The
   same dots at 1 stage were exact; at 2 stages, with the tile added only after the loop, or

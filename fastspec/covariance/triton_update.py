@@ -157,8 +157,8 @@ def pipeline_stages(wanted: int, N: int, rows_per_split: int, split: int, BT: in
     were exact. The next run (2026-11-27) still found 4-stage launches wrong over 8 and 16 row
     blocks (bf16 ``[2, 128, 4, 96]`` and ``[2, 256, 8, 128]`` against fp64; their fp16 twins
     passed), so the launcher asks for :data:`STAGES` (3), never 4, and caps even those at the
-    loop's trip count: inputs that small gain nothing from a deeper pipeline. A third run
-    (2026-11-27, ``benchmarks/race_probe.py``) found 3 and 2 stages racing too, with the dots
+    loop's trip count: inputs that small gain nothing from a deeper pipeline. The evening run
+    of 2026-11-27 (``benchmarks/race_probe.py``) found 3 and 2 stages racing too, with the dots
     accumulating into ``G`` on masked input (those two shapes) and with the uncentred block tile
     flushed under an ``if``; 1 stage was exact. The tile flushed by a select every block
     (``triton_kernels._gram_dot``) is exact and steady at 3 stages on every input it ran.
@@ -183,10 +183,11 @@ def block_accumulation(tensor_cores: bool) -> int:
     a mean of up to 100). A model of the matrix instruction that reproduces the split's
     measured 35-59x (each 16-row step's sum truncated to fp32) puts uncentred rows at 4-17x
     torch with ``ACC=0`` over 512-1024 rows, and at 1.0-2.1x with the block tile flushed every
-    128 rows (``triton_kernels.FLUSH_ROWS``), which they now use. Measured on the H100 (third
-    run, ``benchmarks/race_probe.py``, the flush as a select): fp16 ``[512, 2048]`` about means
-    up to 100, masked, 7.5x torch fp32 with ``ACC=0`` -> 1.2x; one 1024-row program about the same
-    means 76x -> 5.5x (the model's 1.0-2.1x is optimistic there); the keys case 0.27x -> 0.03x.
+    128 rows (``triton_kernels.FLUSH_ROWS``), which they now use. Measured on the H100 (the
+    evening run of 2026-11-27, ``benchmarks/race_probe.py``, the flush as a select): fp16
+    ``[512, 2048]`` about means up to 100, masked, 7.5x torch fp32 with ``ACC=0`` -> 1.2x; one
+    1024-row program about the same means 76x -> 5.5x (the model's 1.0-2.1x is optimistic
+    there); the keys case 0.27x -> 0.03x.
     Cost of the second fp32 tile, compiled for sm_90 (Triton 3.6 / 3.9, masked rows): the
     centred keys kernel (``BD = 128``, 32-row blocks) 234 -> 252 / 229 -> 240 registers, no
     spills, row loop 399 -> 484 / 414 -> 502 instructions per warp (+21 %); the tiled FFN kernel
