@@ -4,7 +4,9 @@
     python benchmarks/gpu_diag.py profile  [--time-limit S] [--dry-run]
 
 ``accuracy``: the Triton results that failed on a GPU but pass under the interpreter, each
-swept over the launch settings, so that one GPU run says which setting is at fault:
+swept over the launch settings, so that one GPU run says which setting is at fault. It ran as
+command 1's ``diag-accuracy`` step of ``gpu_run.py`` until the race of 2026-11-27 explained its
+failures; ``race_probe.py --kit`` took that place, and this sweep runs by hand:
 
 * ``raw N=1024``: the uncentred Gram of one program's 1024 fp16/bf16 rows about means up to
   100 (the H100 run of 2026-11-27 found ``test_gpu_against_fp64``'s uncentred 16-bit cases

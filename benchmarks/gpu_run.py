@@ -1,6 +1,6 @@
 """The offline GPU kit: fastspec measured on an H100/H200 in two capped commands, 13 minutes.
 
-    python benchmarks/gpu_run.py 1 OUT          # headline numbers (first 4 minutes), eigensolver race, accuracy sweep, GPU tests
+    python benchmarks/gpu_run.py 1 OUT          # headline numbers (first 4 minutes), eigensolver race, race probe, GPU tests
     python benchmarks/gpu_run.py 2 OUT          # profiles, every other size, training steps, Nsight Compute
     python benchmarks/gpu_run.py 3 OUT          # extra, when the lease has time left: key rank, sanitizers, compiled step
     python benchmarks/gpu_run.py --plan         # the time table; exit 1 if the plan breaks a limit
@@ -36,8 +36,8 @@ and warm.
 OUT receives a few flat files (at most 8 come back from a GPU machine): ``gpu_run.log`` (each
 step's start, cap, status and seconds, the versions, the summary), ``bench.json`` (this command's
 ``fastspec bench`` results merged: the ``benchmarks/results`` schema plus a ``gpu_run`` record),
-``compare.json`` (command 3), ``race.json`` (command 1: ``eig_race.py``), ``tests.txt`` (command 1), ``diag.txt`` (``gpu_diag.py``, commands
-1 and 2), ``tools.txt`` (ncu in command 2, compute-sanitizer in 3), ``steps.txt`` (every other
+``compare.json`` (command 3), ``race.json`` (command 1: ``eig_race.py``), ``tests.txt`` (command 1), ``diag.txt`` (``race_probe.py``
+in command 1, ``gpu_diag.py`` in 2), ``tools.txt`` (ncu in command 2, compute-sanitizer in 3), ``steps.txt`` (every other
 step's own output). Exit status: 0 when every step passed,
 was capped or skipped an optional tool; 1 when a step failed; 2 on bad arguments.
 
@@ -85,7 +85,7 @@ class Step:
     """One step of a command: ``kind`` says what runs (see :func:`argv`)."""
 
     name: str
-    kind: str            # build | kernels | env | bench | race | diag | tests | ncu | sanitize | compare | summary
+    kind: str            # build | kernels | env | bench | race | probe | diag | tests | ncu | sanitize | compare | summary
     cap: int             # seconds of work (a bench/compare/tool step's --time-limit)
     grace: int = 0       # from the cap to the signal
     what: str = ""
@@ -132,18 +132,24 @@ PLAN: dict[int, tuple[Step, ...]] = {
                HEAD),
         Step("race", "race", 40, 10, "eig_race.py: every algorithm of the eigensolver timed and checked on "
              "the same batches; the selection-table rows to commit"),
-        _diag("accuracy", 25, 5, "the Triton accuracy failures of 2026-11-26 swept over launch settings"),
+        # the check of the race the H100 found on 2026-11-27 (each GPU brings its own Triton); it
+        # replaced gpu_diag.py's sweep of the 2026-11-26 failures over launch settings, which
+        # that race explained (the sweep still runs by hand)
+        Step("race-probe", "probe", 25, 5, "race_probe.py --kit: the library's uncentred 16-bit covariance "
+             "launch, 8 inputs x 3 launches, exact vs fp64 and bitwise steady; its keys time, graphed"),
         Step("tests", "tests", 75, 10, "pytest -m 'gpu or triton' (8 workers where pytest-xdist is "
              "installed): CUDA solver, Triton kernels on CUDA"),
         SUMMARY),
     2: (BUILD, KERNELS_AGAIN,
         _diag("profile", 45, 10, "host vs device time of a keys update; torch.profiler of measure() and "
               "of a keys-streaming train step at the 1.5B shape"),
-        _bench("eigvalsh", 45, 15, "every other eigvalsh size (n 64/128/256, B up to 16384, fp64 B4096)", REST),
+        _bench("eigvalsh", 40, 15, "every other eigvalsh size (n 64/128/256, B up to 16384, fp64 B4096)", REST),
         _bench("covariance", 20, 10, "FFN [16384, 8192] bf16: update, kernel, copy", REST),
         _bench("train_step", 45, 15, "1.5B train step, keys + FFN streaming: emit_every 100, budget=0.01, "
                "emit_every 1"),
-        Step("ncu", "ncu", 30, 5, "Nsight Compute --set full: one eig launch, one keys covariance launch"),
+        # 35 s: at 30 both profiles ran out of time on the H100 (2026-11-27); 5 s from eigvalsh,
+        # whose every-other-size step always runs to its cap
+        Step("ncu", "ncu", 35, 5, "Nsight Compute --set full: one keys covariance launch, one eig launch"),
         SUMMARY),
     3: (BUILD, KERNELS_AGAIN,
         _bench("keyrank", 30, 15, "1.5B key rank: measure() vs hooks + svdvals per head"),
@@ -155,7 +161,7 @@ PLAN: dict[int, tuple[Step, ...]] = {
         _bench("train_step_compiled", 125, 15, "compiled train step (inductor), 8 layers of the 1.5B shape"),
         SUMMARY),
 }
-DEST = {"tests": "tests.txt", "ncu": "tools.txt", "sanitize": "tools.txt", "diag": "diag.txt"}
+DEST = {"tests": "tests.txt", "ncu": "tools.txt", "sanitize": "tools.txt", "diag": "diag.txt", "probe": "diag.txt"}
 
 
 def worst_cases(plan: dict[int, tuple[Step, ...]] = PLAN) -> dict[int, int]:
@@ -257,6 +263,8 @@ class Run:
                     *workers, "-m", "gpu or triton", "tests"]
         if step.kind == "diag":
             return [py, "benchmarks/gpu_diag.py", step.suite, "--time-limit", cap, *dry]
+        if step.kind == "probe":
+            return [py, "benchmarks/race_probe.py", "--kit", "--time-limit", cap, *dry]
         if step.kind in ("ncu", "sanitize"):
             return [py, "benchmarks/gpu_tools.py", step.kind, "--time-limit", cap, *dry]
         if step.kind == "summary":

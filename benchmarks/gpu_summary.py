@@ -12,7 +12,7 @@
   errors and a broken accuracy claim, or why it was skipped), the accuracy summary of
   ``compare.json``, the eigensolver race's winner and times per shape (``race.json``,
   ``eig_race.py``), the tools' verdicts from ``tools.txt``, the accuracy rows and timing lines
-  of ``diag.txt`` (``gpu_diag.py``) and pytest's closing line from ``tests.txt``, each failing
+  of ``diag.txt`` (``race_probe.py --kit``, ``gpu_diag.py``) and pytest's closing line from ``tests.txt``, each failing
   test with its assertion's message where the tests step printed it.
 """
 from __future__ import annotations
@@ -126,7 +126,7 @@ def row_line(r: dict) -> str:
     return line
 
 
-DIAG_LINE = r"^(case |raw |split |not run|cov-call|eig-call|  partials|  Covariance|  eigvalsh|measure:|train step:|[\w-]+: (ERROR|not run))"
+DIAG_LINE = r"^(launcher |time launcher |case |raw |split |not run|cov-call|eig-call|  partials|  Covariance|  eigvalsh|measure:|train step:|[\w-]+: (ERROR|not run))"
 
 
 def summary(out: Path, bench: dict | None) -> list[str]:
@@ -158,7 +158,7 @@ def summary(out: Path, bench: dict | None) -> list[str]:
         lines += [ln for ln in tools.read_text(errors="replace").splitlines()
                   if re.match(r"^(ncu|compute-sanitizer)\b[^:]*: (ok|finding|skipped|targets FAILED)", ln)]
     diag = out / "diag.txt"
-    if diag.exists():  # gpu_diag.py: the accuracy sweep's rows and the profile's timing lines,
+    if diag.exists():  # race_probe.py --kit's rows and time; gpu_diag.py's sweep rows and timing lines,
         # not torch.profiler's tables (those stay in diag.txt)
         lines += [ln for ln in diag.read_text(errors="replace").splitlines()
                   if re.match(DIAG_LINE, ln)]

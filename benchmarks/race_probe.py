@@ -4,7 +4,8 @@ that raced on an H100 (Triton 3.6, 2026-11-27).
     python benchmarks/race_probe.py                  # every variant in its own process (in parallel), then timing
     python benchmarks/race_probe.py --one VARIANT    # one variant's accuracy rows
     python benchmarks/race_probe.py --time VARIANT   # one variant's keys kernel, CUDA-graphed
-    TRITON_INTERPRET=1 python benchmarks/race_probe.py --dry-run [--one VARIANT]   # CPU, tiny sizes
+    python benchmarks/race_probe.py --kit [--time-limit S]   # the GPU kit's step: the library's rows, then its time
+    TRITON_INTERPRET=1 python benchmarks/race_probe.py --dry-run [--one VARIANT | --kit]   # CPU, tiny sizes
 
 Each row: one input, its raw Gram ``G = Σ x xᵀ`` from three launches of the same variant,
 ``‖G − G64‖ / ‖G64‖`` against float64 truth for the worst launch (``err``) beside torch float32's
@@ -20,11 +21,18 @@ Variants (``_gram_dot``'s ``ACC=2`` block tile, uncentred rows; a variant replac
 * ``acc0``: no block tile, the dots accumulating into ``G`` (raced on masked inputs).
 * ``endonly``: the tile carried over the whole loop, added once after it (raced too).
 
+``--kit`` is command 1's ``race-probe`` step (``benchmarks/gpu_run.py``): the library's rows and
+its keys time in one process, so every GPU run checks that the shipped launch is still exact and
+steady on that machine's Triton. ``--time-limit S``: no row (and no timing) starts after S
+seconds; each one left out is printed ``not run: time cap reached``, and the exit status is the
+rows' that ran.
+
 What the H100 gave is in ``benchmarks/results/nvidia-h100-2026-11-27b-logs/race-probe-*.txt``.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import subprocess
 import sys
@@ -141,8 +149,9 @@ def _config(x, dev, stages):
     return cfg if stages is None else cfg._replace(num_stages=stages)
 
 
-def one(variant: str, dry: bool) -> int:
-    """Print one row per case; 1 when a row is MOVING or far outside torch's error."""
+def one(variant: str, dry: bool, deadline: float = math.inf) -> int:
+    """Print one row per case; 1 when a row is MOVING or far outside torch's error. No case
+    starts after ``deadline`` (``time.monotonic()``)."""
     import torch
 
     from fastspec.covariance.reference import covariance_partials_reference as reference
@@ -153,6 +162,9 @@ def one(variant: str, dry: bool) -> int:
     dev = _device(dry)
     bad = 0
     for label, make in cases(dev, dry):
+        if time.monotonic() >= deadline:
+            print(f"{variant:<9} {label:<28} not run: time cap reached", flush=True)
+            continue
         t0 = time.perf_counter()
         try:
             errs, moving = [], False
@@ -236,12 +248,34 @@ def every_variant(dry: bool) -> int:
     return procs["launcher"].returncode or 0  # the library's own rows decide
 
 
+def kit(dry: bool, limit: float | None) -> int:
+    """The GPU kit's step: the library's accuracy rows, then (GPU) its keys time, under ``limit``."""
+    deadline = math.inf if limit is None else time.monotonic() + limit
+    status = one("launcher", dry, deadline)
+    if dry:
+        return status
+    if time.monotonic() >= deadline:
+        print("time launcher: not run: time cap reached", flush=True)
+    else:
+        timing("launcher")
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--one", choices=sorted(VARIANTS), help="one variant's accuracy rows")
     p.add_argument("--time", choices=sorted(VARIANTS), help="one variant's keys kernel time (GPU)")
+    p.add_argument("--kit", action="store_true", help="the GPU kit's step: the library's rows, then its time")
+    p.add_argument("--time-limit", type=float, metavar="S", help="--kit: no row or timing starts after S seconds")
     p.add_argument("--dry-run", action="store_true", help="CPU under TRITON_INTERPRET=1, tiny sizes")
     args = p.parse_args(argv)
+    if args.time_limit is not None and (not args.kit or args.time_limit < 0):
+        p.error(f"--time-limit: expected seconds >= 0 with --kit; got {args.time_limit:g}"
+                + ("" if args.kit else " without --kit"))
+    if args.kit and (args.one or args.time):
+        p.error("--kit: runs the library's rows and time itself; drop --one/--time")
+    if args.kit:
+        return kit(args.dry_run, args.time_limit)
     if args.time:
         if args.dry_run:
             p.error("--time: needs a GPU (no --dry-run)")

@@ -303,15 +303,14 @@ def test_the_headline_numbers_come_first_and_the_tools_once():
     heads = [s for s in first if s.headline]
     assert [(s.suite, s.select) for s in heads] == [("eigvalsh", gpu_run.HEAD), ("covariance", gpu_run.HEAD),
                                                     ("probe", gpu_run.HEAD)]
-    # after the numbers: the accuracy sweep, then the tests
-    # then the eigensolver race, the accuracy sweep and the tests
-    assert first.index(heads[-1]) + 1 == kinds.index("race") == kinds.index("diag") - 1 == kinds.index("tests") - 2
-    assert every_kind().count("race") == 1
+    # after the numbers: the eigensolver race, the covariance race probe, then the tests
+    assert first.index(heads[-1]) + 1 == kinds.index("race") == kinds.index("probe") - 1 == kinds.index("tests") - 2
+    assert every_kind().count("race") == every_kind().count("probe") == 1
     every = [s.kind for steps in gpu_run.PLAN.values() for s in steps]
     assert every.count("ncu") == every.count("sanitize") == every.count("tests") == every.count("compare") == 1
     assert "ncu" not in kinds and "sanitize" not in kinds  # not in the command that gives the numbers
     diags = [s.suite for steps in gpu_run.PLAN.values() for s in steps if s.kind == "diag"]
-    assert diags == ["accuracy", "profile"]
+    assert diags == ["profile"]
     assert [s.kind for s in gpu_run.PLAN[2]].index("diag") == 2  # profiles first in command 2
     names = [s.name for steps in gpu_run.PLAN.values() for s in steps if s.kind == "bench"]
     assert len(names) == len(set(names))  # one JSON file per bench step
@@ -441,8 +440,29 @@ def test_the_diagnostics_stop_at_their_time_limit_and_need_the_interpreter_on_cp
         gpu_diag.main(["accuracy", "--dry-run"])
 
 
+@pytest.mark.slow
+def test_the_accuracy_sweep_still_runs_by_hand_interpreted():
+    """gpu_diag.py accuracy left the plan (the race probe replaced it) but stays a tool: its dry
+    run gives the launcher's own choice first, every row exact and steady."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(KIT / "gpu_diag.py"), "accuracy", "--dry-run"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    accuracy = proc.stdout
+    assert proc.returncode == 0, accuracy + proc.stderr[-2000:]
+    # 2 load stages for the 2 row blocks of T = 24, and every 16-bit launch sums its dots in a
+    # block tile (acc 2), uncentred or split; the long uncentred case also asks for acc 0
+    assert re.search(r"^raw T=24 +float16 +32 +8 +2 +2 +[\d.e+-]+ +[\d.e+-]+ +[\d.e+-]+ +no$", accuracy, re.MULTILINE), accuracy
+    assert re.search(r"^raw N=64 +float16 +32 +8 +2 +2 .* no$", accuracy, re.MULTILINE), accuracy
+    assert re.search(r"^raw N=64 +float16 +32 +8 +2 +0 .* no$", accuracy, re.MULTILINE), accuracy
+    assert re.search(r"^split +float16 +\d+ +\d+ +\d+ +2 .* no$", accuracy, re.MULTILINE), accuracy
+    assert "ERROR" not in accuracy and "MOVING" not in accuracy, accuracy
+
+
 def test_the_summary_keeps_the_diagnostics_rows_not_the_profiler_tables(tmp_path):
     (tmp_path / "diag.txt").write_text(
+        "launcher  keys B8-T2048-H8-D128 bf16   stages=3 BT=32 split=16 err  1.94e-07 torch  6.96e-06 ratio 0.0278 steady 3.8s\n"
+        "launcher  N1024 D128 fp16              not run: time cap reached\n"
+        "time launcher  keys B8-T2048-H8-D128 bf16 uncentred, graphed:    44.7 us (stages=3)\n"
         "case       dtype   BT warps stages acc  kernel err\n"
         "raw T=24   float16  32     8      4   0    0.0172   1.1e-07   1.5e+05  no\n"
         "eig-call: B4096-n128-fp32; µs per call\n"
@@ -452,7 +472,7 @@ def test_the_summary_keeps_the_diagnostics_rows_not_the_profiler_tables(tmp_path
         "   aten::mm   11.26%   198.045us\n"
         "train-step: ERROR RuntimeError: out of memory\n")
     lines = gpu_summary.summary(tmp_path, None)
-    assert [ln.split()[0] for ln in lines[3:]] == ["case", "raw", "eig-call:", "eigvalsh", "measure:", "train-step:"], lines
+    assert [ln.split()[0] for ln in lines[3:]] == ["launcher", "launcher", "time", "case", "raw", "eig-call:", "eigvalsh", "measure:", "train-step:"], lines
 
 
 def test_the_summary_names_each_failing_test_even_when_pytest_was_cut_off(tmp_path):
@@ -614,25 +634,24 @@ def test_dry_run_of_the_whole_plan_offline_with_tools_and_anchors_missing(tmp_pa
     for tools in (ncu, sanitizer):  # the targets rehearsed without the tools
         assert tools.count("eig: 8 × 32×32 fp32, backend=host: ok") == 1
     assert "ncu: skipped" in logs[2] and "compute-sanitizer: skipped" in logs[3]
-    # the diagnostics ran, interpreted: the accuracy rows and the profile's timing lines reach the summary
-    accuracy = (tmp_path / "out1" / "diag.txt").read_text()
-    # the launcher's own choice first: 2 load stages for the 2 row blocks of T = 24, and every
-    # 16-bit launch sums its dots in a block tile (acc 2), uncentred or split; the long
-    # uncentred case also asks for acc 0
-    assert re.search(r"^raw T=24 +float16 +32 +8 +2 +2 +[\d.e+-]+ +[\d.e+-]+ +[\d.e+-]+ +no$", accuracy, re.MULTILINE), accuracy
-    assert re.search(r"^raw N=64 +float16 +32 +8 +2 +2 .* no$", accuracy, re.MULTILINE), accuracy
-    assert re.search(r"^raw N=64 +float16 +32 +8 +2 +0 .* no$", accuracy, re.MULTILINE), accuracy
-    assert re.search(r"^split +float16 +\d+ +\d+ +\d+ +2 ", accuracy, re.MULTILINE), accuracy
+    # the race probe and the profile ran, interpreted: their rows and timing lines reach the summary
+    probe = (tmp_path / "out1" / "diag.txt").read_text()
+    # the library's launch on each dry input, exact (the interpreter has no race) and steady
+    rows = re.findall(r"^launcher +(keys B1-T160-H2-D128|D96 B2-T32-H2) .* err +(\S+) torch +(\S+) ratio +\S+ steady ",
+                      probe, re.MULTILINE)
+    assert [r[0] for r in rows] == ["keys B1-T160-H2-D128", "D96 B2-T32-H2"], probe
+    assert all(float(k) <= 4 * float(t) + 1e-7 for _, k, t in rows), rows
+    assert "MOVING" not in probe and "ERROR" not in probe and "not run" not in probe, probe
     # gpu_diag's own failure lines ("<row>  ERROR ...", "<part>: ERROR ..."); not Kineto's stderr,
     # which torch's CUDA builds print on a machine without a GPU ("ERROR:... gpuGetDeviceCount")
     own_error = re.compile(r"(  ERROR |^[\w-]+: ERROR )", re.MULTILINE)
-    assert re.search(r"^split +float16 .* no$", accuracy, re.MULTILINE) and not own_error.search(accuracy)
     profile = (tmp_path / "out2" / "diag.txt").read_text()
     for line in ("cov-call: keys", "  partials, uncentred", "eig-call: B8-n16-fp32", "  eigvalsh (auto)", "measure: L",
                  "train step: L", "-- top by self_cpu_time_total"):
         assert line in profile, profile[-3000:]
     assert not own_error.search(profile), profile[-3000:]
-    assert re.search(r"^raw T=24 ", logs[1], re.MULTILINE) and re.search(r"^train step: L", logs[2], re.MULTILINE)
+    assert re.search(r"^launcher +keys B1-T160", logs[1], re.MULTILINE)
+    assert re.search(r"^train step: L", logs[2], re.MULTILINE)
     compiled = [r for r in _strict_json(tmp_path / "out3" / "bench.json")["results"]
                 if r["suite"] == "train_step_compiled" and "fastspec_s" in r]
     assert compiled and all(r["recompiles"] == 0 and r["graph_breaks"] == 0 and r["fastspec_error"] == 0

@@ -41,3 +41,26 @@ def test_timing_needs_a_gpu_and_says_so():
     proc = run("--dry-run", "--time", "launcher")
     assert proc.returncode == 2 and "--time: needs a GPU" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_the_kits_step_runs_the_library_alone_and_stops_at_its_time_limit():
+    # --kit is gpu_run.py's race-probe step: the library's rows only (its time on a GPU)
+    proc = run("--dry-run", "--kit", "--time-limit", "60")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    rows = [m.groups() for m in map(ROW.match, proc.stdout.splitlines()) if m]
+    assert [r[0] for r in rows] == ["launcher", "launcher"] and all(r[7] == "steady" for r in rows), proc.stdout
+    # a limit already spent: no row starts, each is named, and the kit reads the step as capped
+    proc = run("--dry-run", "--kit", "--time-limit", "0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2 and all(re.match(r"^launcher +\S.* not run: time cap reached$", ln) for ln in lines), lines
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--time-limit", "5"], "--time-limit: expected seconds >= 0 with --kit; got 5 without --kit"),
+    (["--kit", "--time-limit", "-1"], "--time-limit: expected seconds >= 0 with --kit; got -1"),
+    (["--kit", "--one", "launcher"], "--kit: runs the library's rows and time itself; drop --one/--time"),
+])
+def test_bad_kit_arguments_are_one_line_errors(args, message):
+    proc = run("--dry-run", *args)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
