@@ -150,7 +150,7 @@ def _config(x, dev, stages):
     return cfg if stages is None else cfg._replace(num_stages=stages)
 
 
-def one(variant: str, dry: bool, clock: Clock | None = None) -> int:
+def one(variant: str, dry: bool, clock: Clock) -> int:
     """Print one row per case; 1 when a row is MOVING or far outside torch's error. No case
     starts once ``clock`` has no time left."""
     import torch
@@ -163,7 +163,7 @@ def one(variant: str, dry: bool, clock: Clock | None = None) -> int:
     dev = _device(dry)
     bad = 0
     for label, make in cases(dev, dry):
-        if clock is not None and clock.left() <= 0:
+        if clock.left() <= 0:
             print(f"{variant:<9} {label:<28} not run: time cap reached", flush=True)
             continue
         t0 = time.perf_counter()
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--time: needs a GPU (no --dry-run)")
         return timing(args.time)
     if args.one:
-        return one(args.one, args.dry_run)
+        return one(args.one, args.dry_run, Clock(None))
     return every_variant(args.dry_run)
 
 
