@@ -9,7 +9,8 @@
   algorithm when the chosen one cannot be compiled.
 * ``fastspec info`` and ``fastspec precompile --algo`` show and build the choices.
 * The race (``benchmarks/eig_race.py``): its rows are table rows; a dry run cannot be merged; a
-  real run's rows replace the table's rows of the same key. (Its dry run itself runs in
+  real run's rows replace the table's rows of the same key, except a row whose algorithm ties with
+  the winner (overlapping repeat ranges). (Its dry run itself runs in
   tests/test_gpu_run.py, inside the kit's dry run, and below on one shape.)
 """
 from __future__ import annotations
@@ -236,6 +237,40 @@ def test_race_rows_merge_into_the_table_and_a_dry_run_is_refused(tmp_path, capsy
     (tmp_path / "race.json").write_text(json.dumps({**doc, "dry_run": True}))
     assert race.merge(tmp_path / "race.json", table) == 2
     assert "is a dry run" in capsys.readouterr().err
+
+
+def test_race_merge_keeps_a_table_row_that_ties_with_the_winner(tmp_path, capsys):
+    """The H100 (2026-11-27) and H200 (2026-11-28) races put packed and regs in either order at
+    4096 x 64² fp32, 0.2-0.5% apart with overlapping repeats: merging must not flip the table on
+    that, and must replace a row whose algorithm lost outside the noise or failed accuracy."""
+    race = _race()
+    shape = race.SHAPES[0]
+
+    def result(regs_range, packed_ok=True):
+        return {"shape": shape.name, "winner": "regs", "algorithms": {
+            "regs": {"ms": sum(regs_range) / 2, "ms_min": regs_range[0], "ms_max": regs_range[1], "ok": True},
+            "packed": {"ms": 0.573, "ms_min": 0.561, "ms_max": 1.78, "ok": packed_ok},
+            "block": {"ms": 0.64, "ms_min": 0.637, "ms_max": 0.658, "ok": True}}}
+
+    table = tmp_path / "selection.json"
+    held = _row(algo="packed", batch_lo=1024, batch_hi=None)
+    assert race.tie(result((0.5644, 0.6397)), "regs", "packed")            # overlapping: a tie
+    assert not race.tie(result((0.40, 0.45)), "regs", "packed")            # regs ahead beyond the noise
+    assert not race.tie(result((0.5644, 0.6397), packed_ok=False), "regs", "packed")  # inaccurate: no tie
+    assert not race.tie({"algorithms": {"regs": {"ms": 1.0}, "packed": {"ms": 1.0, "ok": True}}},
+                        "regs", "packed")                                 # no ranges, no evidence of a tie
+    for regs_range, packed_ok, want in (((0.5644, 0.6397), True, "packed"), ((0.40, 0.45), True, "regs"),
+                                        ((0.5644, 0.6397), False, "regs")):
+        table.write_text(json.dumps({"format": 1, "rows": [held.to_json()]}))
+        res = result(regs_range, packed_ok)
+        row = race.table_row(res, shape, 90, "NVIDIA H200", "2026-11-28", dry=False)
+        (tmp_path / "race.json").write_text(json.dumps({"schema": race.SCHEMA, "dry_run": False, "rows": [row],
+                                                        "results": [res]}))
+        assert race.merge(tmp_path / "race.json", table) == 0
+        rows = variants.load_table(table)
+        assert [r.algo for r in rows] == [want], (regs_range, packed_ok)
+        out = capsys.readouterr().out
+        assert ("tie: " in out) == (want == "packed")
 
 
 @needs_ext
