@@ -145,6 +145,52 @@ def test_sigterm_mid_case_writes_partial_results_and_exits_0(tmp_path, monkeypat
     assert [r["skipped"] for r in rows[1:]] == [runner.CAP_DURING, runner.CAP_REACHED]
 
 
+def _sigterm_turned_into_another_error():
+    """SIGTERM, whose TimeCap a library catches and replaces by its own error (as numpy's shape
+    conversion did inside Triton 3.6's interpreter: a killed CI step reported ``InterpreterError:
+    TypeError(...)`` for its case and exited 1)."""
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)
+    except BaseException:  # noqa: BLE001 - the library's catch, which this stands for
+        raise TypeError("expected a sequence of integers or a single integer, got '(64)'") from None
+
+
+def test_an_error_that_the_signal_caused_is_the_cap_not_the_case(tmp_path, monkeypatch):
+    import fastspec.bench.suites as cases_mod
+
+    fake = [_case("done"), _case("in-flight", _sigterm_turned_into_another_error), _case("not-started")]
+    monkeypatch.setattr(cases_mod, "cases", lambda suite, tier, device=None: fake)
+    path = tmp_path / "bench.json"
+    assert main(["bench", "--quick", "--suite", "eigvalsh", "--json", str(path)]) == 0
+    rows = _strict_json(path)["results"]
+    assert [r.get("skipped") for r in rows] == [None, runner.CAP_DURING, runner.CAP_REACHED]
+    assert not any("error" in r for r in rows)
+    # the same error with no SIGTERM behind it is the case's error, as before
+    broken = _case("broken", lambda: (_ for _ in ()).throw(TypeError("a real bug")))
+    rows = runner.run_cases([broken], CPU, warmup=0, repeats=1)
+    assert rows == [{"suite": "eigvalsh", "size": "broken", "variant": "auto", "error": "TypeError: a real bug"}]
+
+
+def test_compare_counts_an_error_that_the_signal_caused_as_the_cap(tmp_path, monkeypatch):
+    import fastspec
+
+    real, calls = fastspec.eigvalsh, []
+
+    def eigvalsh(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            _sigterm_turned_into_another_error()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fastspec, "eigvalsh", eigvalsh)
+    path = tmp_path / "compare.json"
+    assert main(["compare", "--quick", "--family", "wishart", "--json", str(path)]) == 0
+    rows = _strict_json(path)["results"]
+    assert not any("error" in r for r in rows)
+    assert next(r.get("skipped") for r in rows if "within_2x_torch" not in r) == runner.CAP_DURING
+
+
 def test_time_limit_already_spent_skips_every_case_and_exits_0(tmp_path, capsys):
     path = tmp_path / "bench.json"
     assert main(["bench", "--quick", "--suite", "eigvalsh", "--time-limit", "1e-9", "--json", str(path)]) == 0

@@ -55,6 +55,18 @@ raised while it runs a weakref callback or a destructor ("Exception ignored in .
 this flag still stops the run before its next case."""
 
 
+def raise_if_stopping(error: Exception) -> None:
+    """Raise :class:`TimeCap` from ``error`` when SIGTERM came (:data:`STOP`): an error raised
+    while a run is being stopped is not a finished case's verdict, and is often the signal's own
+    doing. The handler's TimeCap can surface as another library's exception: raised inside Python
+    code that C code called back (a Triton ``constexpr``'s ``__index__`` under numpy's shape
+    conversion, on Triton 3.6's interpreter), it came out as ``InterpreterError: TypeError("expected
+    a sequence of integers or a single integer, got '(64)'")``, and the killed step then reported
+    that error and exited 1. Called by each per-case ``except Exception``."""
+    if STOP.is_set():
+        raise TimeCap("SIGTERM") from error
+
+
 def stop_requested(deadline: float | None) -> bool:
     """Whether a run must start nothing new: SIGTERM came (:data:`STOP`) or ``deadline`` passed."""
     return STOP.is_set() or (deadline is not None and time.monotonic() > deadline)
@@ -119,11 +131,13 @@ def run_case(case: Case, device: torch.device, *, warmup: int = 2, repeats: int 
         for what, why in case.notes.items():
             rows.append({**head, "baseline": what, "skipped": why})
     except Exception as e:  # noqa: BLE001 - reported per case; the CLI exits non-zero
+        raise_if_stopping(e)
         rows.append({**head, "error": f"{type(e).__name__}: {e}"})
     finally:
         try:
             case.close(inputs)
         except Exception as e:  # noqa: BLE001
+            raise_if_stopping(e)
             rows.append({**head, "error": f"teardown: {type(e).__name__}: {e}"})
         inputs = None
         free_memory(device)
