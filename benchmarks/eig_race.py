@@ -268,14 +268,18 @@ def run(json_path: Path, time_limit: float | None, dry: bool, real_n: bool = Fal
 
 
 def tie(result: dict | None, winner: str, other: str) -> bool:
-    """True when ``other`` passed this race's accuracy checks and its repeat range overlaps the
-    winner's (``ms_min``..``ms_max``, the fastest and slowest timed round): a lead inside the noise,
-    the same rule ``fastspec bench`` applies before it calls one side faster. False without ranges."""
+    """True when ``other`` passed this race's accuracy checks and its timed rounds overlap the
+    winner's (``ms_min``..``ms_max``): a lead inside the noise by ``fastspec bench``'s own rule
+    (:func:`fastspec.bench.table.noise_pct`). False without the ranges or with a single round."""
+    from fastspec.bench.table import noise_pct
+
     algos = (result or {}).get("algorithms", {})
     w, o = algos.get(winner), algos.get(other)
-    if not (w and o and o.get("ok")) or any(k not in a for a in (w, o) for k in ("ms_min", "ms_max")):
+    if not (w and o and o.get("ok")):
         return False
-    return o["ms_min"] <= w["ms_max"] and w["ms_min"] <= o["ms_max"]
+    return noise_pct({"repeats": min(w.get("repeats", 0), o.get("repeats", 0)),
+                      "fastspec_min_s": w.get("ms_min"), "fastspec_max_s": w.get("ms_max"),
+                      "baseline_min_s": o.get("ms_min"), "baseline_max_s": o.get("ms_max")}) is not None
 
 
 def merge(json_path: Path, table: Path | None = None) -> int:
@@ -302,18 +306,17 @@ def merge(json_path: Path, table: Path | None = None) -> int:
     def key(r: variants.Row) -> tuple:
         return r.arch, r.dtype, r.n_lo, r.n_hi, r.batch_lo, r.batch_hi
 
-    old = {key(variants.Row.from_json(d)): d for d in data["rows"]}
+    held = {key(variants.Row.from_json(d)): d for d in data["rows"]}
     results = {r.get("shape"): r for r in doc.get("results", [])}
     replaced, ties = [], []
     for r in new:
-        held = old.get(key(r))
-        if held is not None and held["algo"] != r.algo and tie(results.get(r.measured.get("shape")), r.algo,
-                                                               held["algo"]):
-            ties.append(f"{r.measured.get('shape')}: {held['algo']} kept ({r.algo} won inside the noise)")
+        h = held.get(key(r))
+        if h is not None and h["algo"] != r.algo and tie(results.get(r.measured.get("shape")), r.algo, h["algo"]):
+            ties.append(f"{r.measured.get('shape')}: {h['algo']} kept ({r.algo} won inside the noise)")
         else:
             replaced.append(r)
     keys = {key(r) for r in replaced}
-    kept = [d for d in data["rows"] if key(variants.Row.from_json(d)) not in keys]
+    kept = [d for k, d in held.items() if k not in keys]
     data["rows"] = kept + [r.to_json() for r in replaced]
     table.write_text(json.dumps(data, indent=1) + "\n")
     print(f"{table}: {len(replaced)} rows merged from {json_path} ({len(kept)} other rows kept)")

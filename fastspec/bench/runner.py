@@ -55,18 +55,6 @@ raised while it runs a weakref callback or a destructor ("Exception ignored in .
 this flag still stops the run before its next case."""
 
 
-def raise_if_stopping(error: Exception) -> None:
-    """Raise :class:`TimeCap` from ``error`` when SIGTERM came (:data:`STOP`): an error raised
-    while a run is being stopped is not a finished case's verdict, and is often the signal's own
-    doing. The handler's TimeCap can surface as another library's exception: raised inside Python
-    code that C code called back (a Triton ``constexpr``'s ``__index__`` under numpy's shape
-    conversion, on Triton 3.6's interpreter), it came out as ``InterpreterError: TypeError("expected
-    a sequence of integers or a single integer, got '(64)'")``, and the killed step then reported
-    that error and exited 1. Called by each per-case ``except Exception``."""
-    if STOP.is_set():
-        raise TimeCap("SIGTERM") from error
-
-
 def stop_requested(deadline: float | None) -> bool:
     """Whether a run must start nothing new: SIGTERM came (:data:`STOP`) or ``deadline`` passed."""
     return STOP.is_set() or (deadline is not None and time.monotonic() > deadline)
@@ -131,13 +119,11 @@ def run_case(case: Case, device: torch.device, *, warmup: int = 2, repeats: int 
         for what, why in case.notes.items():
             rows.append({**head, "baseline": what, "skipped": why})
     except Exception as e:  # noqa: BLE001 - reported per case; the CLI exits non-zero
-        raise_if_stopping(e)
         rows.append({**head, "error": f"{type(e).__name__}: {e}"})
     finally:
         try:
             case.close(inputs)
         except Exception as e:  # noqa: BLE001
-            raise_if_stopping(e)
             rows.append({**head, "error": f"teardown: {type(e).__name__}: {e}"})
         inputs = None
         free_memory(device)
@@ -171,16 +157,25 @@ def run_capped(items: list, run_one: Callable[[Any], list[dict]], head: Callable
     """The rows of ``run_one(item)`` for each of ``items`` in order, under the time cap: no item
     starts once :func:`stop_requested`, and a :class:`TimeCap` raised while one runs (or in
     ``on_rows``) ends the loop. The item cut short gets ``{**head(item), "skipped": CAP_DURING}``,
-    those never started ``CAP_REACHED``. ``on_rows(rows so far)`` after each item, and once more
-    with the skipped rows when the cap cut the run. Shared by ``fastspec bench`` (cases) and
-    ``fastspec compare`` (matrix families)."""
+    those never started ``CAP_REACHED``. An item that reports an error (a row with ``error``) once
+    SIGTERM came (:data:`STOP`) is cut short too: an error raised while a run is being stopped is
+    not a finished item's verdict, and is often the signal's own doing. The handler's TimeCap can
+    surface as another library's exception: raised inside Python code that C code called back (a
+    Triton ``constexpr``'s ``__index__`` under numpy's shape conversion, on Triton 3.6's
+    interpreter), it came out as ``InterpreterError: TypeError("expected a sequence of integers or
+    a single integer, got '(64)'")``, and the killed step reported that error and exited 1.
+    ``on_rows(rows so far)`` after each item, and once more with the skipped rows when the cap cut
+    the run. Shared by ``fastspec bench`` (cases) and ``fastspec compare`` (matrix families)."""
     rows: list[dict] = []
     done = 0  # items whose rows are in ``rows``
     try:
         for item in items:
             if stop_requested(deadline):
                 break
-            rows.extend(run_one(item))
+            got = run_one(item)
+            if STOP.is_set() and any("error" in r for r in got):
+                raise TimeCap("SIGTERM")
+            rows.extend(got)
             done += 1
             if on_rows is not None:
                 on_rows(rows)
