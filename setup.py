@@ -1,6 +1,10 @@
-"""Build hook for fastspec's optional native extension ``fastspec.eig._host`` (fastspec/eig/csrc/).
+"""Build hook: the top-level ``csrc/`` as the package ``fastspec._csrc``, and fastspec's optional
+native extension ``fastspec.eig._host``.
 
-All package metadata lives in pyproject.toml. This file only adds the extension: the host twin of
+Package metadata lives in pyproject.toml. This file adds what it cannot say: the packages, with
+``csrc/`` (the CUDA and C++ sources, outside the ``fastspec/`` tree) mapped onto
+``fastspec._csrc`` so the wheel ships them and NVRTC finds them at run time (an editable install
+maps the package onto the checkout's folder); and the extension: the host twin of
 the CUDA eigensolver and its team emulation (eig_host.cpp, bindings.cpp), plain C++ built with
 the Python's C++ compiler and pybind11. No CUDA toolkit is involved: the CUDA kernel
 (eig_kernel.cu) ships as source and is compiled at first use by NVRTC (fastspec/eig/nvrtc.py).
@@ -21,9 +25,9 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 
-CSRC = Path("fastspec/eig/csrc")
+CSRC = Path("csrc")  # the sources; installed as the package fastspec._csrc
 LIMITS = Path("fastspec/eig/limits.py")  # plain constants, no imports: run on its own here
 
 
@@ -58,4 +62,8 @@ def _extensions() -> list[Extension]:
     )]
 
 
-setup(ext_modules=_extensions())
+setup(
+    packages=[*find_packages(include=["fastspec", "fastspec.*"]), "fastspec._csrc"],
+    package_dir={"fastspec._csrc": str(CSRC)},
+    ext_modules=_extensions(),
+)

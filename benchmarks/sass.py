@@ -6,7 +6,7 @@ be read, in part, before it ever runs: how many registers it uses and whether it
 (``ptxas -v``, or ``cuobjdump -res-usage`` of the cubin), which memory instructions the compiler
 chose (``LDS``/``STS`` for shared memory vs generic ``LD``/``ST``), and how many instructions
 each loop iteration issues (``cuobjdump -sass``). The kernel headers' cost models
-(``fastspec/eig/csrc/eig_kernel.cu``, ``fastspec/covariance/triton_kernels.py``) are built from
+(``csrc/eig_kernel.cu``, ``fastspec/covariance/triton_kernels.py``) are built from
 these counts, and the tests keep them honest.
 
 Finding the CUDA tools and listing a cubin's instructions is :mod:`fastspec.bench.cubin` (the

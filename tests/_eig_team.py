@@ -1,4 +1,4 @@
-"""The team emulation of the CUDA eigensolver's algorithms (``fastspec/eig/csrc/eig_host.cpp``) as
+"""The team emulation of the CUDA eigensolver's algorithms (``csrc/eig_host.cpp``) as
 test helpers: run an algorithm on host threads, the accuracy criterion, and the barrier-mutation
 check. Used by ``tests/test_eig_host.py`` (the block algorithm) and the candidates' test files
 (``tests/test_eig_packed.py``, ``tests/test_eig_regs.py``, ``tests/test_eig_split.py``).

@@ -43,10 +43,10 @@ def _lines(p: Path) -> list[str]:
 
 
 # Markdown pages whose links and paths must resolve
-MARKDOWN = ("README.md", "docs/*.md", "benchmarks/README.md", "fastspec/eig/csrc/README.md")
+MARKDOWN = ("README.md", "docs/*.md", "benchmarks/README.md", "csrc/README.md")
 # files that must not cite outside documents or issue numbers
 PROSE_AND_CODE = ("fastspec/**/*.py", "examples/*.py", "README.md", "docs/**/*", "benchmarks/*.md", "benchmarks/*.py",
-                  "benchmarks/*.sh", "fastspec/eig/csrc/*", "setup.py", "tests/*.py", ".ci/run", "pyproject.toml")
+                  "benchmarks/*.sh", "csrc/*", "setup.py", "tests/*.py", ".ci/run", "pyproject.toml")
 # code whose path mentions must resolve (docstrings, comments, messages)
 CODE_WITH_PATHS = ("fastspec/**/*.py", "examples/*.py", "setup.py", "benchmarks/*.py", "benchmarks/*.sh")
 # code whose environment variables must be documented

@@ -1,4 +1,4 @@
-"""CUDA batched eigensolver (fastspec/eig/csrc/eig_kernel.cu, ``solver="cuda"``, compiled at first
+"""CUDA batched eigensolver (csrc/eig_kernel.cu, ``solver="cuda"``, compiled at first
 use by NVRTC): same battery and criterion as the host twin (tests/test_eig_host.py), against
 torch.linalg.eigvalsh's fp32 *CUDA* error, plus the kernel-only concerns: shared-memory vs
 global-workspace paths, streams, CUDA graphs, large batches, the kernel cache. All tests need a

@@ -16,6 +16,7 @@ import multiprocessing
 import re
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,7 +26,6 @@ import fastspec
 from fastspec.eig import cuda, dispatch, limits, native, nvrtc, precompile, variants
 from fastspec.eig.matrices import make_batch
 from fastspec.eig.reference import eigvalsh_reference
-
 
 needs_nvrtc = pytest.mark.skipif(bool(nvrtc.missing()), reason=f"needs NVRTC: {nvrtc.missing()}")
 needs_ext = pytest.mark.skipif(native._ext is None, reason="host-twin extension not built")
@@ -74,7 +74,7 @@ def test_key_covers_variant_target_options_and_sources(cache, monkeypatch):
     ]}
     assert len(paths) == 4
     src = nvrtc.sources()
-    monkeypatch.setattr(nvrtc, "sources", lambda: {**src, "eig_core.h": src["eig_core.h"] + "\n// edited\n"})
+    monkeypatch.setattr(nvrtc, "sources", lambda *_: {**src, "eig_core.h": src["eig_core.h"] + "\n// edited\n"})
     nvrtc.forget()
     again = nvrtc.compile_variant(_v128(), nvrtc.Target(90))
     assert again.origin == "nvrtc" and again.path not in paths  # an edited header is a new key
@@ -117,7 +117,8 @@ def _compile_in_child(folder: str) -> bytes:
     import os  # noqa: PLC0415
 
     os.environ["FASTSPEC_CACHE"] = folder
-    from fastspec.eig import cuda as c, nvrtc as n  # noqa: PLC0415
+    from fastspec.eig import cuda as c  # noqa: PLC0415
+    from fastspec.eig import nvrtc as n
 
     return n.compile_variant(c.variant_for(128, "float32", c.DeviceSpec.for_arch(90)), n.Target(90)).data
 
@@ -137,7 +138,7 @@ def test_processes_compiling_at_once_never_read_half_a_file(tmp_path):
 def test_compile_error_names_the_saved_log(cache, monkeypatch):
     src = nvrtc.sources()
     broken = src["eig_kernel.cu"].replace("eigvalsh_one(team,", "eigvalsh_one(team, no_such_name,", 1)
-    monkeypatch.setattr(nvrtc, "sources", lambda: {**src, "eig_kernel.cu": broken})
+    monkeypatch.setattr(nvrtc, "sources", lambda *_: {**src, "eig_kernel.cu": broken})
     with pytest.raises(nvrtc.KernelUnavailable, match=r"could not compile .*full log: ") as info:
         nvrtc.compile_variant(_v128(), nvrtc.Target(90))
     log_path = re.search(r"full log: (\S+)$", str(info.value)).group(1)
@@ -428,12 +429,12 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
 
 @needs_nvrtc
 def test_ahead_of_time_cli(cache, capsys):
-    assert precompile.main(["--arch", "90", "--n", "32", "64", "--dtype", "float32", "--jobs", "1"]) == 0
+    assert precompile.main(["--arch", "90", "--n", "32", "64", "--dtype", "float32", "--cov-d", "--jobs", "1"]) == 0
     out = capsys.readouterr().out
     assert "float32-n32-smem" in out and "float32-n64-smem" in out and "nvrtc" in out
     assert len(list(cache.iterdir())) == 2
     nvrtc.forget()
-    assert precompile.main(["--arch", "90", "--n", "32", "--dtype", "float32", "--jobs", "1"]) == 0
+    assert precompile.main(["--arch", "90", "--n", "32", "--dtype", "float32", "--cov-d", "--jobs", "1"]) == 0
     assert " disk " in capsys.readouterr().out
     for bad in (["--arch", "90", "--n", "0"], ["--arch", "91"]):
         with pytest.raises(SystemExit):
@@ -478,12 +479,75 @@ def test_info_without_the_binding(cache, capsys, monkeypatch):
     monkeypatch.setattr(cuda, "_binding", [])
 
 
+def _program_files() -> set:
+    """Every file NVRTC compiles or includes, of every program (the eigensolver, the Gram kernel)."""
+    from fastspec.covariance import gram_cuda
+
+    programs = [nvrtc.EIGVALSH, *(getattr(gram_cuda, n) for n in ("PROGRAM",) if hasattr(gram_cuda, n))]
+    return {nvrtc.CSRC / f for p in programs for f in (p.source, *p.headers)}
+
+
 def test_the_wheel_ships_the_kernel_sources():
-    """NVRTC compiles from the installed package: pyproject's package data must cover csrc/."""
+    """NVRTC compiles from the installed package: setup.py maps csrc/ onto fastspec._csrc and
+    pyproject's package data must cover every source there."""
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
-    root = nvrtc.CSRC.parents[2]
-    setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
-    patterns = setuptools["package-data"]["fastspec.eig"]
-    shipped = {p for pat in patterns for p in (root / "fastspec" / "eig").glob(pat)}
-    assert set(nvrtc.CSRC.iterdir()) <= shipped
-    assert {nvrtc.CSRC / name for name in (nvrtc.KERNEL_SOURCE, *nvrtc.HEADERS)} <= shipped
+    root = Path(__file__).resolve().parents[1]
+    assert nvrtc.CSRC == root / "csrc"  # an editable install (or the bare checkout) compiles the checkout's files
+    assert '"fastspec._csrc"' in (root / "setup.py").read_text()
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["fastspec._csrc"]
+    shipped = {p for pat in patterns for p in nvrtc.CSRC.glob(pat)}
+    sources = {p for p in nvrtc.CSRC.iterdir() if p.suffix in (".h", ".cu", ".cpp")}
+    assert sources <= shipped and _program_files() <= shipped
+
+
+_INSTALLED = """
+import json, sys
+import fastspec
+from fastspec.eig import nvrtc
+out = {"fastspec": fastspec.__file__, "csrc": str(nvrtc.CSRC)}
+img = nvrtc.compile_variant(nvrtc.Variant("float32", 128, True, 128, 1), nvrtc.Target(90))
+out["eig"] = len(img.data)
+from fastspec.covariance import gram_cuda
+if hasattr(gram_cuda, "PROGRAM"):
+    img = nvrtc.compile_program(gram_cuda.PROGRAM, gram_cuda.defines(128, "bfloat16"), "test", nvrtc.Target(90))
+    out["cov_gram"] = len(img.data)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+@needs_nvrtc
+def test_a_wheel_built_from_the_checkout_compiles_its_kernels_outside_it(tmp_path):
+    """Build a wheel from the checkout's files (what git tracks or would add), install it into a
+    folder outside the checkout, and compile every CUDA program for sm_90 from there."""
+    import importlib.util
+    import json
+    import os
+    import shutil
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("needs a git checkout (the files a clean clone has)")
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=root,
+                           capture_output=True, check=True).stdout.decode().split("\0")
+    src = tmp_path / "src"
+    for f in filter(None, files):
+        if (root / f).is_file() and not f.startswith("benchmarks/results/"):
+            (src / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / f, src / f)
+    env = {**os.environ, "FASTSPEC_NO_EXT": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}  # the sources, not the twin
+    isolation = [] if importlib.util.find_spec("setuptools") and importlib.util.find_spec("wheel") else None
+    cmd = [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "-q", "-w", str(tmp_path / "wheel")]
+    subprocess.run(cmd + ([] if isolation is None else ["--no-build-isolation"]), env=env, check=True, timeout=600)
+    wheel = next((tmp_path / "wheel").glob("fastspec-*.whl"))
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+                   env=env, check=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", _INSTALLED], cwd=tmp_path, capture_output=True, text=True, check=False,
+                          env={**env, "PYTHONPATH": str(site), "FASTSPEC_CACHE": str(tmp_path / "cache")},
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["fastspec"].startswith(str(site)) and out["csrc"] == str(site / "fastspec" / "_csrc")
+    assert out["eig"] > 0 and out.get("cov_gram", 1) > 0

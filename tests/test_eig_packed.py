@@ -1,4 +1,4 @@
-"""The "packed" algorithm of the CUDA eigensolver (``fastspec/eig/csrc/eig_packed.h``, FS_ALGO 1):
+"""The "packed" algorithm of the CUDA eigensolver (``csrc/eig_packed.h``, FS_ALGO 1):
 the lower triangle only, in shared memory, so float32 n = 256 fits one block and n = 128 takes
 ~45 KB (5 blocks per H100 SM instead of the block algorithm's 3).
 

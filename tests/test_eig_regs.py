@@ -1,4 +1,4 @@
-"""The "regs" algorithm of the CUDA eigensolver (``fastspec/eig/csrc/eig_regs.h``: float32, n <= 128,
+"""The "regs" algorithm of the CUDA eigensolver (``csrc/eig_regs.h``: float32, n <= 128,
 the matrix in registers, two threads per column) run by the team emulation on host threads, and
 its sm_90 SASS through NVRTC.
 

@@ -1,7 +1,7 @@
 """The CUDA eigensolver compiled for sm_80 and sm_90 without a GPU, through the path users run
 (NVRTC, :func:`fastspec.eig.nvrtc.compile_variant`, the plan of :mod:`fastspec.eig.cuda`):
 registers, spills and the SASS instruction mix that the cost model in the kernel's header
-(``fastspec/eig/csrc/eig_kernel.cu``) is built on.
+(``csrc/eig_kernel.cu``) is built on.
 
 ``cuobjdump`` (on PATH or in the Triton wheel) reads the cubin: ``-res-usage`` for registers and
 stack, ``-sass`` for the per-loop counts of ``benchmarks/sass.py`` (a developer tool, outside the

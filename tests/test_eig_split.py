@@ -1,4 +1,4 @@
-"""The "split" algorithm of the CUDA eigensolver (``fastspec/eig/csrc/eig_split.h``, FS_ALGO 3):
+"""The "split" algorithm of the CUDA eigensolver (``csrc/eig_split.h``, FS_ALGO 3):
 two threads per column in the tridiagonalization, two Sturm counts per eigenvalue and sweep
 (trisection) in the bisection, a division-free fp64 Sturm step.
 

@@ -4,7 +4,7 @@
 * ``reference.py``: the plain-torch solver (``torch.linalg.eigvalsh`` with the NaN rule), the
   reference and the fallback;
 * ``native.py``: the ``torch.ops.fastspec.eigvalsh`` custom op both native solvers run through,
-  and the host twin's launcher (module ``_host``, built by setup.py from ``fastspec/eig/csrc/``);
+  and the host twin's launcher (module ``_host``, built by setup.py from ``csrc/``);
 * ``cuda.py`` (launch plan, driver) and ``nvrtc.py`` (compile at first use, disk cache) for the
   CUDA kernel; ``precompile.py`` fills the cache ahead of time;
 * ``variants.py``: the kernel's algorithms (block, packed, regs, split) and which one runs for a
@@ -13,7 +13,7 @@
 * ``limits.py``: the limits and layout numbers, the one place they are written (the C++/CUDA
   sources get them as macros);
 * ``matrices.py``: the test-matrix families the tests and ``fastspec compare`` draw from;
-* ``fastspec/eig/csrc/``: the kernel, the shared numerics and the host twin's sources (shipped in the wheel).
+* ``csrc/``: the kernel, the shared numerics and the host twin's sources (shipped in the wheel).
 """
 from .dispatch import SOLVERS, backends, eigvalsh, solvers
 

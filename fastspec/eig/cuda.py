@@ -2,7 +2,7 @@
 
 ``launch(A3, out)`` for CUDA ``A3: [B, n, n]`` float32/float64 -> ``out: [B, n]`` ascending
 (lower triangle read; ``native.cuda_eigvalsh`` flattens ``[..., n, n]`` to it). The kernel
-(``fastspec/eig/csrc/eig_kernel.cu``) is compiled by :mod:`.nvrtc` for the device's arch and
+(``csrc/eig_kernel.cu``) is compiled by :mod:`.nvrtc` for the device's arch and
 this ``(n, dtype)`` on first use, loaded with ``cuLibraryLoadData`` (context-independent: one
 load serves every device) and launched with ``cuLaunchKernel`` on
 ``torch.cuda.current_stream()``: asynchronous, no host sync, capturable in a CUDA graph once
@@ -161,7 +161,7 @@ class _Loaded:
 
 _lock = threading.Lock()
 _loaded: dict[tuple[Variant, int], _Loaded] = {}  # (variant, target arch) -> the loaded kernel
-_failed: dict[tuple[Variant, int], str] = {}      # (variant, target arch) -> why it cannot be had
+_failed: dict[tuple, str] = {}  # (variant, target arch) or (program, defines, arch) -> why it cannot be had
 _specs: dict[int, DeviceSpec] = {}
 _targets: dict[int, nvrtc.Target] = {}
 _driver_ready: list[bool] = []
@@ -204,7 +204,8 @@ def build_info() -> dict[str, object]:
     folder = nvrtc.cache_dir()
     info: dict[str, object] = {"compiler": None, "binding": None, "target": None, "cache": str(folder),
                                "cache_writable": _writable(folder),
-                               "cached_kernels": len(list(folder.glob("eigvalsh-*"))) if folder.is_dir() else 0}
+                               "cached_kernels": len([f for f in folder.iterdir() if f.suffix in (".cubin", ".ptx")])
+                               if folder.is_dir() else 0}
     ok, compiler = _binding_ok()
     if not ok:
         info["reason"] = compiler
@@ -301,13 +302,70 @@ def _ensure_context(driver, index: int) -> None:
 
 def _load(driver, variant: Variant, target: nvrtc.Target) -> _Loaded:
     image = nvrtc.compile_variant(variant, target)
+    lib, kernels = _load_image(driver, image, (nvrtc.ENTRY,), "the compiled eigensolver")
+    return _Loaded(kernels[nvrtc.ENTRY], lib, set())
+
+
+def _load_image(driver, image: nvrtc.Image, entries: tuple[str, ...], what: str) -> tuple[object, dict[str, object]]:
+    """``(CUlibrary, {entry: CUkernel})`` of a compiled image."""
     _init_driver(driver)
     # context-independent loading: one library for every device; the driver loads the kernel
     # into a context at its first launch there
     lib = _check(driver.cuLibraryLoadData(image.data, None, None, 0, None, None, 0),
-                 f"loading the compiled eigensolver ({image.path or 'in memory'})")
-    kernel = _check(driver.cuLibraryGetKernel(lib, nvrtc.ENTRY.encode()), "cuLibraryGetKernel")
-    return _Loaded(kernel, lib, set())
+                 f"loading {what} ({image.path or 'in memory'})")
+    return lib, {e: _check(driver.cuLibraryGetKernel(lib, e.encode()), f"cuLibraryGetKernel({e})") for e in entries}
+
+
+# --- any other program of csrc/ (the exact covariance update's Gram kernel) ------------------------
+
+_programs: dict[tuple, tuple[object, dict[str, object]]] = {}  # (program, defines, arch) -> (library, kernels)
+
+
+def load_program(program: nvrtc.Program, defines: tuple[str, ...], tag: str, device: torch.device | int
+                 ) -> dict[str, object]:
+    """The entry points of ``program`` built with ``defines`` for ``device``'s arch: compiled (or
+    found in the kernel cache) and loaded on first use, then kept for the process. Returns
+    ``{entry name: CUkernel}``; KernelUnavailable with the reason."""
+    index = device_index(device)
+    driver = _driver()
+    with _lock:
+        _, target = _device_setup(index)
+        key = (program, tuple(defines), target.arch)
+        if key in _failed:
+            raise KernelUnavailable(_failed[key])
+        got = _programs.get(key)
+        if got is None:
+            try:
+                image = nvrtc.compile_program(program, tuple(defines), tag, target)
+                got = _programs[key] = _load_image(driver, image, program.entries, program.source)
+            except KernelUnavailable as exc:
+                _failed[key] = str(exc)
+                raise
+    return got[1]
+
+
+def set_max_smem(kernel, smem: int, device: torch.device | int) -> None:
+    """Let ``kernel`` take ``smem`` bytes of dynamic shared memory on ``device`` (past 48 KiB a
+    kernel must opt in)."""
+    driver = _driver()
+    dev = _check(driver.cuDeviceGet(device_index(device)), "cuDeviceGet")
+    _check(driver.cuKernelSetAttribute(driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                       smem, kernel, dev), "setting the kernel's shared memory")
+
+
+def launch_kernel(kernel, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int, args: list,
+                  device: torch.device | int) -> None:
+    """``cuLaunchKernel`` of ``kernel`` with the ctypes values ``args`` (in the order and widths of
+    its parameters), asynchronous on torch's current stream of ``device``."""
+    index = device_index(device)
+    params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
+    driver = _driver()
+    with torch.cuda.device(index):
+        _ensure_context(driver, index)
+        stream = torch.cuda.current_stream(index).cuda_stream
+        # the driver copies the parameter values during this call: args may go out of scope after
+        _check(driver.cuLaunchKernel(kernel, *grid, *block, smem, stream, ctypes.addressof(params), 0),
+               "cuLaunchKernel")
 
 
 def device_index(device: torch.device | int) -> int:
@@ -322,6 +380,7 @@ def forget() -> None:
     :func:`nvrtc.forget`, from the disk cache or NVRTC), as a process's first call does."""
     with _lock:
         _loaded.clear()
+        _programs.clear()
 
 
 def prepare(n: int, dtype: torch.dtype | str, device: torch.device | int, batch: int = 1,
@@ -395,11 +454,4 @@ def launch(A3: Tensor, out: Tensor, algo: str | None = None) -> None:
     work = torch.empty(p.workspace, dtype=A3.dtype, device=A3.device) if p.workspace else None
     args = launch_args(A3.data_ptr(), out.data_ptr(), work.data_ptr() if work is not None else 0, B, A3.stride(),
                        out.stride(0))
-    params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
-    driver = _driver()
-    with torch.cuda.device(index):
-        _ensure_context(driver, index)
-        stream = torch.cuda.current_stream(index).cuda_stream
-        # the driver copies the parameter values during this call: args may go out of scope after
-        _check(driver.cuLaunchKernel(entry.kernel, p.grid, 1, 1, p.variant.threads, 1, 1, p.smem, stream,
-                                     ctypes.addressof(params), 0), "cuLaunchKernel")
+    launch_kernel(entry.kernel, (p.grid, 1, 1), (p.variant.threads, 1, 1), p.smem, args, index)

@@ -6,12 +6,12 @@ Solvers (``solver=``; the limits are :mod:`.limits`'s):
 
 * ``"torch"``: ``torch.linalg.eigvalsh`` (the reference and the universal fallback,
   :mod:`.reference`).
-* ``"cuda"``: fastspec's batched kernel (fastspec/eig/csrc/eig_kernel.cu), one thread block per matrix:
+* ``"cuda"``: fastspec's batched kernel (csrc/eig_kernel.cu), one thread block per matrix:
   Householder tridiagonalization in shared memory + Sturm bisection. CUDA float32/float64,
   ``n <= MAX_N``. Compiled for the GPU at the first call of each (n, dtype) by NVRTC and cached on
   disk (:mod:`.nvrtc`); no CUDA toolkit needed, only ``cuda-bindings`` (a dependency of
   PyTorch's CUDA 13 wheels). A kernel that cannot be compiled or loaded raises here.
-* ``"host"``: the host twin of the same numerics (fastspec/eig/csrc/eig_core.h) on CPU tensors,
+* ``"host"``: the host twin of the same numerics (csrc/eig_core.h) on CPU tensors,
   ``n <= MAX_N``; for tests and CPU-only checks of the algorithm, not for speed.
 * ``"auto"``: ``"cuda"`` for CUDA float32/float64 inputs with ``n <= AUTO_MAX_N`` that need no
   gradient, else ``"torch"``. When ``"cuda"`` would apply but the kernel cannot be had (no binding

@@ -1,6 +1,6 @@
 """The eigensolver's limits and layout numbers: the one place they are written.
 
-Python owns them; the C++ and CUDA sources (``fastspec/eig/csrc/``) receive them as preprocessor
+Python owns them; the C++ and CUDA sources (``csrc/``) receive them as preprocessor
 macros and stop with ``#error`` when one is missing, so no source file can carry a copy of its own:
 
 * NVRTC compiles the kernel with :func:`defines` in its options (:mod:`.nvrtc`);

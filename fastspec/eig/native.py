@@ -2,7 +2,7 @@
 
 ``torch.ops.fastspec.eigvalsh(A)`` runs fastspec's solver on ``A``'s device: on CUDA the kernel
 compiled at first use by NVRTC (:mod:`.cuda`, :mod:`.nvrtc`), on CPU the host twin of the same
-numerics (``fastspec/eig/csrc/eig_host.cpp``, module ``fastspec.eig._host``, built by setup.py with
+numerics (``csrc/eig_host.cpp``, module ``fastspec.eig._host``, built by setup.py with
 a C++ compiler). The op has a fake implementation, so it traces under ``torch.compile``. When the
 CUDA kernel cannot be had (no NVRTC, a compile error, a driver too old), the op says why once on
 the ``fastspec`` logger and solves with :func:`.reference.eigvalsh_reference` instead: never a crash.
@@ -54,7 +54,7 @@ def status(solver: str) -> tuple[bool, str]:
         return _cuda.status()
     if _ext is None:
         return False, _EXT_ERROR
-    return True, ("host twin of the CUDA solver (fastspec/eig/csrc/eig_core.h, serial), float32/float64 CPU tensors, "
+    return True, ("host twin of the CUDA solver (csrc/eig_core.h, serial), float32/float64 CPU tensors, "
                   f"n <= {limits.MAX_N}")
 
 
@@ -102,7 +102,7 @@ def team_eigvalsh(A: Tensor, algo: str = "block", schedule: int = 0, drop: int =
     (:data:`.variants.ALGORITHMS`) run on host threads by the team emulation, on CPU ``A: [..., n,
     n]`` -> ``[..., n]``; with the site of every ``FS_SYNC`` barrier passed, in order. ``schedule``:
     0 threads run freely, 1 one at a time in rank order, 2 in reverse; ``drop``: the index (in that
-    list) of the barrier every thread leaves out (fastspec/eig/csrc/eig_host.cpp)."""
+    list) of the barrier every thread leaves out (csrc/eig_host.cpp)."""
     _require("host")
     if A.device.type != "cpu":
         raise ValueError(f"A: expected a cpu tensor, got device {A.device}")

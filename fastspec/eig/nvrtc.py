@@ -1,4 +1,10 @@
-"""Run-time compilation of the CUDA eigensolver (``fastspec/eig/csrc/eig_kernel.cu``) with NVRTC, cached on disk.
+"""Run-time compilation of fastspec's CUDA kernels (top-level ``csrc/``) with NVRTC, cached on disk.
+
+Two programs are compiled this way: the eigensolver (``csrc/eig_kernel.cu`` and its headers,
+:class:`Variant`) and the float64 Gram of the exact covariance update (``csrc/cov_gram.cu``,
+``fastspec/covariance/gram_cuda.py``). A :class:`Program` names a kernel's source files and
+entry points; :func:`compile_program` turns it, a set of ``-D`` macros and a :class:`Target` into
+an :class:`Image`, through one cache.
 
 Why at run time: every CUDA build of PyTorch ships NVRTC, NVIDIA's run-time compiler, and no
 CUDA toolkit is needed to use it; so ``pip install fastspec`` needs no ``nvcc`` and every CUDA
@@ -7,6 +13,10 @@ install gets the kernel, compiled for exactly the GPU it runs on. The binding is
 maintained with the toolkit, and a dependency of PyTorch's own CUDA 13 wheels (docs/kernels.md
 says why not CuPy or ``torch.cuda._compile_kernel``). Nothing here needs a GPU or the driver:
 CPU-only CI compiles for sm_80 and sm_90 through exactly this path (``tests/test_eig_sass.py``).
+
+The sources ship in the wheel as the package ``fastspec._csrc`` (``csrc/`` mapped onto it by
+setup.py), so NVRTC finds them in an editable install, an installed wheel and a bare checkout
+alike (:func:`csrc_dir`).
 
 One compiled image per :class:`Variant` (n, dtype, layout, block size, register budget: each a
 compile-time constant of the kernel) and :class:`Target` (``sm_XX`` cubin, or PTX for
@@ -26,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
 import logging
 import os
 import tempfile
@@ -38,7 +49,22 @@ from . import limits
 
 log = logging.getLogger("fastspec")
 
-CSRC = Path(__file__).with_name("csrc")
+
+
+def csrc_dir() -> Path:
+    """The folder of the CUDA/C++ sources: the installed package ``fastspec._csrc`` (a wheel, or
+    an editable install, which maps it onto the checkout's ``csrc/``), else the ``csrc/`` of the
+    checkout this module was imported from."""
+    try:
+        spec = importlib.util.find_spec("fastspec._csrc")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.origin:
+        return Path(spec.origin).parent
+    return Path(__file__).resolve().parents[2] / "csrc"
+
+
+CSRC = csrc_dir()
 KERNEL_SOURCE = "eig_kernel.cu"
 # the headers the kernel includes (eig_host.h is the host twin's): the core and every algorithm
 HEADERS = ("eig_core.h", "eig_algos.h", "eig_packed.h", "eig_regs.h", "eig_split.h")
@@ -50,6 +76,21 @@ _REALS = {"float32": "float", "float64": "double"}
 
 class KernelUnavailable(RuntimeError):
     """The CUDA kernel cannot be had here: the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Program:
+    """A kernel's sources: ``source`` (compiled) and ``headers`` (what it includes), files of
+    :data:`CSRC`, and its ``extern "C"`` entry points. ``name`` prefixes its cache files."""
+
+    name: str
+    source: str
+    headers: tuple[str, ...] = ()
+    entries: tuple[str, ...] = ()
+
+
+EIGVALSH = Program("eigvalsh", KERNEL_SOURCE, HEADERS, (ENTRY,))
+"""The eigensolver: every :class:`Variant` is this program with its macros."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +137,7 @@ class Target:
 class Image:
     """A compiled kernel: ``data`` is a cubin or PTX (NUL-terminated) for the driver to load."""
 
-    variant: Variant
+    variant: Variant | None  # the eigensolver's variant; None for another program
     target: Target
     data: bytes
     origin: str       # "nvrtc" (compiled now), "disk" (cache file), "memory" (this process)
@@ -202,28 +243,33 @@ def cache_dir() -> Path:
     return Path(root) / "eig"
 
 
-def sources() -> dict[str, str]:
-    """The kernel's source files, by name (what is compiled and what the key hashes)."""
-    return {name: (CSRC / name).read_text() for name in (KERNEL_SOURCE, *HEADERS)}
+def sources(program: Program = EIGVALSH) -> dict[str, str]:
+    """A program's source files, by name (what is compiled and what the key hashes)."""
+    return {name: (CSRC / name).read_text() for name in (program.source, *program.headers)}
 
 
-def _options(variant: Variant, target: Target, extra: tuple[str, ...]) -> list[str]:
-    """NVRTC's options: the target, :data:`OPTIONS`, the limits every build of the sources gets
-    (:func:`.limits.defines`), the variant's macros, then ``extra``."""
-    return [target.option, *OPTIONS, *limits.defines(), *variant.defines(), *extra]
+def _options(defines: tuple[str, ...], target: Target, extra: tuple[str, ...]) -> list[str]:
+    """NVRTC's options: the target, :data:`OPTIONS`, the program's macros, then ``extra``."""
+    return [target.option, *OPTIONS, *defines, *extra]
 
 
-def _key(src: dict[str, str], variant: Variant, target: Target, nvrtc_version: tuple[int, int],
+def variant_defines(variant: Variant) -> tuple[str, ...]:
+    """The eigensolver's macros: the limits every build of its sources gets
+    (:func:`.limits.defines`), then the variant's own."""
+    return (*limits.defines(), *variant.defines())
+
+
+def _key(src: dict[str, str], defines: tuple[str, ...], target: Target, nvrtc_version: tuple[int, int],
          extra: tuple[str, ...]) -> str:
     h = hashlib.sha256(FORMAT)
     for name, text in sorted(src.items()):
         h.update(f"\0{name}\0{len(text)}\0".encode() + text.encode())
-    h.update(repr((nvrtc_version, _options(variant, target, extra))).encode())
+    h.update(repr((nvrtc_version, _options(defines, target, extra))).encode())
     return h.hexdigest()[:24]
 
 
-def _file_name(variant: Variant, target: Target, key: str) -> str:
-    return f"eigvalsh-{variant.tag}-{target.name}-{key}.{'ptx' if target.ptx else 'cubin'}"
+def _file_name(program: Program, tag: str, target: Target, key: str) -> str:
+    return f"{program.name}-{tag}-{target.name}-{key}.{'ptx' if target.ptx else 'cubin'}"
 
 
 def _frame(payload: bytes) -> bytes:
@@ -261,15 +307,17 @@ def _warn_unwritable(folder: Path, exc: OSError) -> None:
 # --- compiling ---------------------------------------------------------------------------------
 
 
-def _compile(src: dict[str, str], variant: Variant, target: Target, extra: tuple[str, ...]) -> tuple[bytes, str]:
+def _compile(program: Program, src: dict[str, str], defines: tuple[str, ...], tag: str, target: Target,
+             extra: tuple[str, ...]) -> tuple[bytes, str]:
     """NVRTC: the sources ``src`` (:func:`sources`) -> (cubin or PTX, log). KernelUnavailable on a
     compile error, with the log written to a file the message names."""
     nvrtc = _nvrtc()
-    prog = _call(nvrtc.nvrtcCreateProgram(src[KERNEL_SOURCE].encode(), KERNEL_SOURCE.encode(), len(HEADERS),
-                                          [src[h].encode() for h in HEADERS], [h.encode() for h in HEADERS]),
+    heads = program.headers
+    prog = _call(nvrtc.nvrtcCreateProgram(src[program.source].encode(), program.source.encode(), len(heads),
+                                          [src[h].encode() for h in heads], [h.encode() for h in heads]),
                  "create program")
     try:
-        opts = [o.encode() for o in _options(variant, target, extra)]
+        opts = [o.encode() for o in _options(defines, target, extra)]
         status = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]
         # output buffers are bytearrays: the binding writes into whatever it is given, and a
         # bytes object of length 0 or 1 is an interpreter-wide singleton (b" " * 1 is b" ")
@@ -277,9 +325,9 @@ def _compile(src: dict[str, str], variant: Variant, target: Target, extra: tuple
         _call(nvrtc.nvrtcGetProgramLog(prog, buf), "log")
         text = bytes(buf).rstrip(b"\0").decode(errors="replace")
         if int(status) != 0:
-            where = _save_error_log(variant, target, text)
+            where = _save_error_log(f"{program.name}-{tag}-{target.name}", text)
             first = next((ln.strip() for ln in text.splitlines() if "error" in ln), text.strip()[:200])
-            raise KernelUnavailable(f"NVRTC could not compile the eigensolver ({variant.tag}, {target.name}): "
+            raise KernelUnavailable(f"NVRTC could not compile {program.source} ({tag}, {target.name}): "
                                     f"{first}; full log: {where}")
         get_size, get = ((nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX) if target.ptx
                          else (nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN))
@@ -290,8 +338,8 @@ def _compile(src: dict[str, str], variant: Variant, target: Target, extra: tuple
         nvrtc.nvrtcDestroyProgram(prog)
 
 
-def _save_error_log(variant: Variant, target: Target, text: str) -> Path:
-    name = f"eigvalsh-{variant.tag}-{target.name}.error.log"
+def _save_error_log(stem: str, text: str) -> Path:
+    name = f"{stem}.error.log"
     for folder in (cache_dir(), Path(tempfile.gettempdir())):
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -304,16 +352,25 @@ def _save_error_log(variant: Variant, target: Target, text: str) -> Path:
 
 
 def compile_variant(variant: Variant, target: Target, extra_options: tuple[str, ...] = ()) -> Image:
-    """The image for ``variant`` on ``target``: from this process, from the disk cache, or compiled
-    now (and cached). Thread-safe. KernelUnavailable when NVRTC is missing or the compile fails."""
+    """The eigensolver's image for ``variant`` on ``target`` (:func:`compile_program`)."""
+    return compile_program(EIGVALSH, variant_defines(variant), variant.tag, target, extra_options, variant)
+
+
+def compile_program(program: Program, defines: tuple[str, ...], tag: str, target: Target,
+                    extra_options: tuple[str, ...] = (), variant=None) -> Image:
+    """The image of ``program`` built with the macros ``defines`` (``"-DNAME=value"``) for
+    ``target``: from this process, from the disk cache, or compiled now (and cached). ``tag``
+    names the specialization in the cache file's name; ``variant`` is carried on the image.
+    Thread-safe. KernelUnavailable when NVRTC is missing or the compile fails."""
     ver = version()
-    src = sources()  # read once: what the key hashes is what a miss compiles
-    key = _key(src, variant, target, ver, tuple(extra_options))
+    src = sources(program)  # read once: what the key hashes is what a miss compiles
+    defines, extra_options = tuple(defines), tuple(extra_options)
+    key = _key(src, defines, target, ver, extra_options)
     with _lock:
         if key in _memory:
             img = _memory[key]
             return Image(img.variant, img.target, img.data, "memory", 0.0, img.path, img.log)
-        path = cache_dir() / _file_name(variant, target, key)
+        path = cache_dir() / _file_name(program, tag, target, key)
         t0 = time.perf_counter()
         try:
             payload = _unframe(path.read_bytes())
@@ -326,7 +383,7 @@ def compile_variant(variant: Variant, target: Target, extra_options: tuple[str, 
             img = Image(variant, target, payload, "disk", time.perf_counter() - t0, path)
         else:
             t0 = time.perf_counter()
-            data, text = _compile(src, variant, target, tuple(extra_options))
+            data, text = _compile(program, src, defines, tag, target, extra_options)
             seconds = time.perf_counter() - t0
             try:
                 _write_atomic(path, _frame(data))

@@ -1,4 +1,4 @@
-"""The eigensolver kernel's algorithms (``fastspec/eig/csrc/eig_algos.h``) and which one runs where.
+"""The eigensolver kernel's algorithms (``csrc/eig_algos.h``) and which one runs where.
 
 Every algorithm is a compile-time variant of the same kernel entry (``FS_ALGO``), with its own
 team size and shared-memory layout, written here once for the launcher (:mod:`.cuda`) and checked
