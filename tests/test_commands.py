@@ -21,6 +21,7 @@ from fastspec.eig import nvrtc
     (["--arch", "90", "--n", "0"], "argument --n: expected sizes in [1, "),
     (["--arch", "90", "--n", "64", "x"], "argument --n: expected sizes in [1, "),
     (["--arch", "90", "--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
+    (["--arch", "90", "--cov-d", "80"], "argument --cov-d: expected head widths in 32, 64, 96, 128, got '80'"),
 ])
 def test_bad_flags_are_usage_errors_naming_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -52,17 +53,23 @@ def test_precompile_fills_the_cache_and_the_module_runs_the_same_command(tmp_pat
     monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path))
     nvrtc.forget()
     try:
-        assert main(["precompile", "--arch", "90", "--n", "32", "--dtype", "float32", "--jobs", "1"]) == 0
+        assert main(["precompile", "--arch", "90", "--n", "32", "--dtype", "float32", "--cov-d", "--jobs", "1"]) == 0
     finally:
         nvrtc.forget()
     out = capsys.readouterr().out
-    assert f"cache {tmp_path / 'eig'}, 1 variants for sm_90" in out and "float32-n32" in out and "nvrtc" in out
+    assert f"cache {tmp_path / 'eig'}, 1 variants for sm_90, 0 covariance Gram kernels" in out
+    assert "float32-n32" in out and "nvrtc" in out
     assert len(list((tmp_path / "eig").iterdir())) == 1
     # python -m fastspec.eig.precompile: the same command, now a cache hit
     proc = subprocess.run([sys.executable, "-m", "fastspec.eig.precompile", "--arch", "90", "--n", "32",
-                           "--dtype", "float32", "--jobs", "1"], capture_output=True, text=True, timeout=300)
+                           "--dtype", "float32", "--cov-d", "--jobs", "1"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "float32-n32" in proc.stdout and " disk " in proc.stdout
+    # the covariance Gram kernel: every input dtype of one head width, into the same cache
+    assert main(["precompile", "--arch", "90", "--n", "32", "--dtype", "float32", "--cov-d", "32", "--jobs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "1 variants for sm_90, 4 covariance Gram kernels" in out
+    assert out.count("cov_gram-") == 4 and len(list((tmp_path / "eig").glob("cov_gram-*"))) == 4
     bad = subprocess.run([sys.executable, "-m", "fastspec.eig.precompile", "--arch", "91"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "fastspec precompile: error: argument --arch" in bad.stderr

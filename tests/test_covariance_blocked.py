@@ -9,6 +9,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from _keys import lowrank_rope_keys
 
 import fastspec
 from fastspec.covariance import blocked, policy
@@ -136,21 +137,8 @@ def test_workspace_is_reused_across_updates():
     assert {k: t.data_ptr() for k, t in ws._bufs.items()} == ptrs
 
 
-def _lowrank_rope_keys(r: int, B=2, H=2, T=512, D=64, seed=5) -> torch.Tensor:
-    """float32 post-RoPE keys ``[B, H, T, D]`` whose pre-RoPE keys span an r-dim subspace."""
-    g = torch.Generator().manual_seed(seed)
-    z = torch.randn(B, H, T, r, generator=g, dtype=torch.float64)
-    W = torch.randn(H, r, D, generator=g, dtype=torch.float64)
-    k = torch.einsum("bhtr,hrd->bhtd", z, W)
-    inv = 1.0 / 10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
-    ang = torch.outer(torch.arange(T, dtype=torch.float64), inv)
-    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
-    rot = torch.cat([-k[..., D // 2:], k[..., : D // 2]], -1)
-    return (k * cos + rot * sin).float()
-
-
 def test_sv_exact_precision_matches_float64_svdvals_on_rank_deficient_heads():
-    k = _lowrank_rope_keys(r=1)
+    k = lowrank_rope_keys(r=1)
     B, H, T, D = k.shape
     truth = torch.stack([participation_ratio(torch.linalg.svdvals(
         k[:, h].reshape(-1, D).double())) for h in range(H)])

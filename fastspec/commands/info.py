@@ -2,7 +2,8 @@
 
 What it reports comes from the library: :func:`fastspec.sysinfo.environment`,
 :func:`fastspec.solvers`, :func:`fastspec.eig.cuda.build_info` and
-:func:`fastspec.eig.cuda.selection_info` (which algorithm of the kernel runs where, and why).
+:func:`fastspec.eig.cuda.selection_info` (which algorithm of the kernel runs where, and why),
+:func:`fastspec.covariance.routes.info` (which route an exact covariance update takes, and why).
 """
 from __future__ import annotations
 
@@ -17,12 +18,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import fastspec
 
+    from ..covariance import routes
     from ..eig.cuda import build_info, selection_info
     from ..sysinfo import environment
 
     # "eigvalsh_backends": the key scripts already read, kept through the solver= rename
     info = {"environment": environment(), "eigvalsh_backends": fastspec.solvers(), "eigvalsh_kernel": build_info(),
-            "eigvalsh_variants": selection_info()}
+            "eigvalsh_variants": selection_info(), "covariance_routes": routes.info()}
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -48,6 +50,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"{'':>10}  error: {sel['error']}")
     for c in sel["choices"]:
         print(f"{'':>10}  {c['dtype']} n {c['n']:<3} x{c['batch']:<5} {c['algo']:<6} {c['why']}")
+    r = info["covariance_routes"]
+    override = f"FASTSPEC_COV_VARIANT={r['override']}" if r["override"] else "FASTSPEC_COV_VARIANT forces one"
+    print(f"{'cov route':>10}: exact (float64) raw-sum update on {r['device']} "
+          f"({r.get('rows', '?')} measured rows in {r['table']}; {override})")
+    for name, status in r["routes"].items():
+        print(f"{'':>10}  {name:<10} {status}")
+    if "error" in r:
+        print(f"{'':>10}  error: {r['error']}")
+    else:
+        print(f"{'':>10}  {r['shape']}: {r['choice']} ({r['why']})")
     return 0
 
 

@@ -1,6 +1,7 @@
-"""``fastspec precompile``: compile the CUDA eigensolver ahead of time into the kernel cache.
+"""``fastspec precompile``: compile the CUDA kernels ahead of time into the kernel cache.
 
-    fastspec precompile --arch 90 [--n 64 128 256] [--dtype float32 float64] [--algo block|all|NAME...] [--jobs N]
+    fastspec precompile --arch 90 [--n 64 128 256] [--dtype float32 float64] [--algo block|all|NAME...]
+                        [--cov-d 64 128] [--jobs N]
 
 For a GPU that need not be here: a container image or a shared cluster cache built once, and the
 GPU kit (``benchmarks/gpu_run.py``), which fills its cache before its timed steps. The work is
@@ -49,6 +50,19 @@ def _size(text: str) -> int:
     return n
 
 
+def _cov_d(text: str) -> int:
+    """``--cov-d``: a head width the covariance Gram kernel takes."""
+    from ..covariance.gram_cuda import ENVELOPE_D
+
+    try:
+        d = int(text)
+    except ValueError:
+        d = 0
+    if d not in ENVELOPE_D:
+        raise argparse.ArgumentTypeError(f"expected head widths in {', '.join(map(str, ENVELOPE_D))}, got {text!r}")
+    return d
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", type=_arch, required=True, help="compute capability, e.g. 90 for H100/H200")
     p.add_argument("--n", type=_size, nargs="+", default=[64, 128, 256], help="matrix sizes (default 64 128 256)")
@@ -56,6 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algo", nargs="+", default=["block"], choices=ALGOS,
                    help="the kernel's algorithms (fastspec/eig/variants.py); 'all': every one that takes the size "
                         "(default: block)")
+    p.add_argument("--cov-d", type=_cov_d, nargs="*", default=[64, 128], metavar="D",
+                   help="head widths of the exact covariance update's Gram kernel (csrc/cov_gram.cu), every input "
+                        "dtype; an empty list compiles none (default: 64 128)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="parallel compiles (default: one per CPU core)")
 
@@ -64,14 +81,15 @@ def run(args: argparse.Namespace) -> int:
     _args.integer("--jobs", args.jobs, minimum=1)
     from ..eig import nvrtc
     from ..eig.nvrtc import KernelUnavailable
-    from ..eig.precompile import precompile, todo
+    from ..eig.precompile import cov_todo, precompile, todo
 
     try:
         ver = nvrtc.version()
         print(f"NVRTC {ver[0]}.{ver[1]}, cache {nvrtc.cache_dir()}, "
-              f"{len(todo(args.arch, args.n, args.dtype, args.algo))} variants for sm_{args.arch}")
+              f"{len(todo(args.arch, args.n, args.dtype, args.algo))} variants for sm_{args.arch}, "
+              f"{len(cov_todo(args.arch, args.cov_d))} covariance Gram kernels")
         t0 = time.perf_counter()
-        done = precompile(args.arch, args.n, args.dtype, args.jobs, args.algo)
+        done = precompile(args.arch, args.n, args.dtype, args.jobs, args.algo, args.cov_d)
     except KernelUnavailable as exc:
         print(f"fastspec: {exc}", file=sys.stderr)
         return 1

@@ -52,16 +52,26 @@ class Workspace:
 
     def __init__(self):
         self._bufs: dict[tuple, Tensor] = {}
+        # the views handed out, by (buffer key, shape): a repeated update gets the same view
+        # object back without dispatching a slice and a view (host time on every call)
+        self._views: dict[tuple, Tensor] = {}
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+        key = (name, dtype, device)
+        view = self._views.get((key, shape))
+        if view is not None:
+            return view
         numel = 1
         for d in shape:
             numel *= d
-        key = (name, dtype, device)
         t = self._bufs.get(key)
         if t is None or t.numel() < numel:
             t = self._bufs[key] = torch.empty(numel, dtype=dtype, device=device)
-        return t[:numel].view(shape)
+            self._views = {k: v for k, v in self._views.items() if k[0] != key}  # views of the old buffer
+        if len(self._views) >= 256:  # shapes that keep changing (ragged batches): no unbounded growth
+            self._views.clear()
+        view = self._views[(key, shape)] = t[:numel].view(shape)
+        return view
 
 
 _local = threading.local()

@@ -17,7 +17,8 @@
                                   (on the CPU, or on the device of x)
 
 It is the whole of :meth:`Covariance.update` after argument checks: the precision policy
-(``policy.update_plan``), the per-update sums (the Triton kernels or ``blocked.py``), and the
+(``policy.update_plan``), the per-update sums (the Triton kernels, ``blocked.py``, or for exact
+raw sums the route ``routes.py`` picks), and the
 exact Chan merge (:func:`merge_sums`). Eager updates call :func:`covariance_update` directly;
 under ``torch.compile`` they call the op, which dynamo and Inductor keep as one opaque node
 with four mutated inputs (functionalised by AOTAutograd, no graph break), with a fake
@@ -43,18 +44,19 @@ their mutation; the update allocates its temporaries afresh while a stream is be
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import Tensor
 
-from . import blocked
+from . import blocked, routes
 from .policy import UpdateSettings, update_plan
 
 # the op's (precision, backend) strings -> their checked UpdateSettings: an update pays a dict
 # lookup, not a dataclass and two checks (a bad pair raises each time: exceptions are not cached)
 _settings = functools.lru_cache(maxsize=None)(UpdateSettings)
 
-__all__ = ["chan_merge", "covariance_update", "covariance_update_op", "fold_gate", "merge_sums"]
+__all__ = ["chan_merge", "covariance_update", "covariance_update_op", "exact_update", "fold_gate", "merge_sums"]
 
 
 def merge_sums(st: dict[str, Tensor], track_mean: bool, n_b: Tensor, c: Tensor, s: Tensor, G: Tensor,
@@ -149,9 +151,34 @@ def covariance_update(n: Tensor, rejected: Tensor, first: Tensor, second: Tensor
 
         merge_sums(st, track_mean, *covariance_partials_triton(x, mask, row_step, track_mean))
         return
+    if plan.products == torch.float64 and not track_mean:
+        exact_update(st, x, mask, row_step)
+        return
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     ws = blocked.Workspace() if capturing else blocked.shared_workspace()
     merge_sums(st, track_mean, *blocked.accumulate(x, mask, row_step, track_mean, plan.products, ws))
+
+
+def exact_update(st: dict[str, Tensor], x: Tensor, mask: Tensor | None, row_step: int) -> None:
+    """Exact raw sums (the ``sv`` sites): the route the table or the cost model picks
+    (``routes.py``), its merge folded into its last kernel where it has one. A route whose kernel
+    cannot be had at its first use (KernelUnavailable: a compile error, say) is marked broken and
+    the next route takes the update, unless ``$FASTSPEC_COV_VARIANT`` forced it."""
+    from ..eig.nvrtc import KernelUnavailable
+
+    rows = x.shape[0] * -(-x.shape[1] // row_step)
+    name, _ = routes.choose(x, rows)
+    route = routes.ROUTES[name]
+    try:
+        if route.accumulate is not None:  # the merge folded into the route's last kernel
+            route.accumulate(st["n"], st["rejected"], st["sum"], st["gram"], x, mask, row_step)
+        else:
+            merge_sums(st, False, *route.partials(x, mask, row_step))
+    except KernelUnavailable as exc:
+        if name == "blocked" or os.environ.get(routes.ENV, "").strip():
+            raise
+        routes.mark_broken(name, str(exc))
+        exact_update(st, x, mask, row_step)
 
 
 covariance_update_op = torch.library.custom_op(

@@ -203,6 +203,16 @@ def block_accumulation(tensor_cores: bool) -> int:
 
 def _check(x: Tensor, mask: Tensor | None, row_step: int) -> int:
     """Raise on bad arguments; returns ``row_step`` as an int (a NumPy int is not a constexpr)."""
+    row_step = check_args(x, mask, row_step)
+    if not x.is_cuda and not _interpreting():
+        raise RuntimeError("x: the Triton covariance kernels need a CUDA tensor (or TRITON_INTERPRET=1 "
+                           "set before importing triton, for CPU tests); use backend='torch' on CPU")
+    return row_step
+
+
+def check_args(x: Tensor, mask: Tensor | None, row_step: int) -> int:
+    """The arguments of a Triton update (``x: [B, T, S, D]`` of a float dtype, ``mask: [B, T]``,
+    ``row_step >= 1``), each named in its error; ``row_step`` as an int (a constexpr)."""
     if not isinstance(x, Tensor) or x.dim() != 4:
         raise ValueError(f"x: expected a 4-D tensor [B, T, S, D], got "
                          f"{list(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
@@ -211,11 +221,7 @@ def _check(x: Tensor, mask: Tensor | None, row_step: int) -> int:
     if mask is not None and (not isinstance(mask, Tensor) or tuple(mask.shape) != tuple(x.shape[:2])):
         raise ValueError(f"mask: expected a tensor of shape {list(x.shape[:2])}, got "
                          f"{list(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__}")
-    row_step = _args.integer("row_step", row_step, minimum=1)
-    if not x.is_cuda and not _interpreting():
-        raise RuntimeError("x: the Triton covariance kernels need a CUDA tensor (or TRITON_INTERPRET=1 "
-                           "set before importing triton, for CPU tests); use backend='torch' on CPU")
-    return row_step
+    return _args.integer("row_step", row_step, minimum=1)
 
 
 def covariance_partials_triton(x: Tensor, mask: Tensor | None = None, row_step: int = 1,

@@ -1,6 +1,8 @@
-"""Fill the CUDA eigensolver's kernel cache ahead of time, for a GPU that need not be here.
+"""Fill the kernel cache ahead of time, for a GPU that need not be here: the CUDA eigensolver and
+the exact covariance update's Gram kernel (``csrc/cov_gram.cu``).
 
-    fastspec precompile --arch 90 [--n 64 128 256] [--dtype float32 float64] [--algo block|all|NAME...] [--jobs N]
+    fastspec precompile --arch 90 [--n 64 128 256] [--dtype float32 float64] [--algo block|all|NAME...]
+                        [--cov-d 64 128] [--jobs N]
     python -m fastspec.eig.precompile ...       # the same command
 
 :func:`precompile` compiles, in parallel, the variants a GPU of compute capability ``arch`` would
@@ -8,7 +10,10 @@ compile at first use (the same plan as :mod:`.cuda`, from the arch's shared-memo
 block algorithm or any others of :mod:`.variants` (``"all"``: every one that takes the size), into
 ``$FASTSPEC_CACHE`` (:mod:`.nvrtc`), and returns each one's time: for a container image or a
 shared cluster cache built once, and for the GPU kit, which fills its cache before its timed
-steps. The command line is :mod:`fastspec.commands.precompile`.
+steps. With ``cov_d``, also the Gram kernel of :mod:`fastspec.covariance.gram_cuda` for those head
+widths and every input dtype it takes (bf16, fp16, fp32, fp64): what the ``dmma`` route of an
+exact covariance update compiles at its first use. The command line is
+:mod:`fastspec.commands.precompile`.
 """
 from __future__ import annotations
 
@@ -18,11 +23,33 @@ from . import nvrtc
 from .cuda import DeviceSpec, variant_for
 from .variants import ALGORITHMS
 
+COV = "cov_gram"  # the algo field of a covariance Gram job in todo()'s list
+
 
 def _compile_one(args: tuple[int, str, int, str]) -> tuple[str, str, float]:
     arch, dtype, n, algo = args
+    if algo == COV:
+        from ..covariance import gram_cuda  # noqa: PLC0415 - only when asked: keeps the eig path light
+
+        tag = gram_cuda.tag(n, dtype)
+        img = nvrtc.compile_program(gram_cuda.PROGRAM, gram_cuda.defines(n, dtype), tag, nvrtc.choose_target(arch))
+        return f"{COV}-{tag}", img.origin, img.seconds
     img = nvrtc.compile_variant(variant_for(n, dtype, DeviceSpec.for_arch(arch), algo), nvrtc.choose_target(arch))
     return img.variant.tag, img.origin, img.seconds
+
+
+def cov_todo(arch: int, widths) -> list[tuple[int, str, int, str]]:
+    """``(arch, dtype, D, COV)`` of every covariance Gram kernel to compile: each head width of
+    ``widths`` (ValueError outside the kernel's envelope) for every input dtype it takes."""
+    from ..covariance import gram_cuda  # noqa: PLC0415
+
+    out = []
+    for D in dict.fromkeys(widths):
+        why = gram_cuda.supports(D)
+        if why:
+            raise ValueError(f"cov-d: {why}")
+        out += [(arch, dtype, D, COV) for dtype in gram_cuda.DTYPES]
+    return out
 
 
 def todo(arch: int, sizes, dtypes, algos=("block",)) -> list[tuple[int, str, int, str]]:
@@ -48,12 +75,13 @@ def todo(arch: int, sizes, dtypes, algos=("block",)) -> list[tuple[int, str, int
     return out
 
 
-def precompile(arch: int, sizes, dtypes, jobs: int = 1, algos=("block",)) -> list[tuple[str, str, float]]:
+def precompile(arch: int, sizes, dtypes, jobs: int = 1, algos=("block",), cov_d=()) -> list[tuple[str, str, float]]:
     """Compile the variant of every (algorithm in ``algos``, dtype in ``dtypes``, n in ``sizes``)
-    for sm_``arch`` into the kernel cache (:func:`todo`), ``jobs`` processes at a time;
-    ``(tag, origin, seconds)`` per variant, where ``origin`` says whether NVRTC compiled it or the
-    cache had it. Raises :class:`~.nvrtc.KernelUnavailable` when NVRTC cannot compile here."""
-    work = todo(arch, sizes, dtypes, algos)
+    for sm_``arch`` into the kernel cache (:func:`todo`), and the covariance Gram kernel of every
+    head width in ``cov_d`` (:func:`cov_todo`), ``jobs`` processes at a time; ``(tag, origin,
+    seconds)`` per image, where ``origin`` says whether NVRTC compiled it or the cache had it.
+    Raises :class:`~.nvrtc.KernelUnavailable` when NVRTC cannot compile here."""
+    work = todo(arch, sizes, dtypes, algos) + cov_todo(arch, cov_d)
     if jobs > 1 and len(work) > 1:
         from concurrent.futures import ProcessPoolExecutor  # noqa: PLC0415
 
