@@ -1,6 +1,6 @@
 """The offline GPU kit: fastspec measured on an H100/H200 in two capped commands, 13 minutes.
 
-    python benchmarks/gpu_run.py 1 OUT          # headline numbers (first 4 minutes), eigensolver race, race probe, GPU tests
+    python benchmarks/gpu_run.py 1 OUT          # headline numbers (first 4 minutes), covariance route race, eigensolver race, race probe, GPU tests
     python benchmarks/gpu_run.py 2 OUT          # profiles, every other size, training steps, Nsight Compute
     python benchmarks/gpu_run.py 3 OUT          # extra, when the lease has time left: key rank, sanitizers, compiled step
     python benchmarks/gpu_run.py --plan         # the time table; exit 1 if the plan breaks a limit
@@ -36,9 +36,10 @@ and warm.
 OUT receives a few flat files (at most 8 come back from a GPU machine): ``gpu_run.log`` (each
 step's start, cap, status and seconds, the versions, the summary), ``bench.json`` (this command's
 ``fastspec bench`` results merged: the ``benchmarks/results`` schema plus a ``gpu_run`` record),
-``compare.json`` (command 3), ``race.json`` (command 1: ``eig_race.py``), ``tests.txt`` (command 1), ``diag.txt`` (``race_probe.py``
-in command 1, ``gpu_diag.py`` in 2), ``tools.txt`` (ncu in command 2, compute-sanitizer in 3), ``steps.txt`` (every other
-step's own output). Exit status: 0 when every step passed,
+``compare.json`` (command 3), ``cov_race.json`` (command 1: ``cov_race.py``), ``race.json`` (command 1:
+``eig_race.py``), ``tests.txt`` (command 1), ``diag.txt`` (``race_probe.py`` in command 1, ``gpu_diag.py`` in
+2), ``tools.txt`` (ncu in command 2, compute-sanitizer in 3), ``steps.txt`` (every other step's own output):
+7 in command 1, 5 in commands 2 and 3. Exit status: 0 when every step passed,
 was capped or skipped an optional tool; 1 when a step failed; 2 on bad arguments.
 
 ``--dry-run`` runs exactly the same steps, in the same order and under the same caps, on CPU:
@@ -71,8 +72,12 @@ PLAN_LIMIT = 780      # worst case of commands 1 and 2: 13 of the 15 minutes of 
 CORE = (1, 2)         # the commands a 15-minute lease runs; 3 only when time is left
 HEADLINE_BY = 240     # command 1's headline steps end within its first 4 minutes, worst case
 ARCH_DRY = "90"       # the arch the kit targets: the CUDA build is checked even without a GPU
-COPIED = ("fastspec", "tests", "benchmarks", "conftest.py", "setup.py", "pyproject.toml", "README.md")
-NATIVE = ("fastspec/eig/csrc", "fastspec/eig/limits.py", "setup.py")  # what the extension is built from
+# csrc/: the extension and NVRTC sources (moved out of fastspec/eig/; setup.py builds from it)
+COPIED = ("fastspec", "csrc", "tests", "benchmarks", "conftest.py", "setup.py", "pyproject.toml", "README.md")
+# what the host-twin extension is built from (setup.py): the eigensolver's files of csrc/, not
+# cov_gram.cu, which only NVRTC compiles (an edit there must not rebuild the extension)
+NATIVE = ("csrc/bindings.cpp", "csrc/eig_host.cpp", "csrc/eig_host.h", "csrc/eig_core.h", "csrc/eig_algos.h",
+          "csrc/eig_packed.h", "csrc/eig_regs.h", "csrc/eig_split.h", "fastspec/eig/limits.py", "setup.py")
 KERNEL_SIZES = ("64", "128", "256")  # the eigvalsh suite's n (fastspec.bench.suites.eigvalsh.SIZES["gpu"])
 
 
@@ -85,7 +90,7 @@ class Step:
     """One step of a command: ``kind`` says what runs (see :func:`argv`)."""
 
     name: str
-    kind: str            # build | kernels | env | bench | race | probe | diag | tests | ncu | sanitize | compare | summary
+    kind: str            # build | kernels | env | bench | covrace | race | probe | diag | tests | ncu | sanitize | compare | summary
     cap: int             # seconds of work (a bench/compare/tool step's --time-limit)
     grace: int = 0       # from the cap to the signal
     what: str = ""
@@ -106,7 +111,7 @@ class Step:
 # the tests step's pytest alone 67 s in the dry run (the interpreted Triton tests)
 BUILD = Step("build", "build", 45, what="copy the sources, build the host-twin extension (reused when unchanged)")
 KERNELS = Step("kernels", "kernels", 20, 5, what="NVRTC: the CUDA eigensolver for this GPU, n 64/128/256, "
-               "fp32/fp64, every algorithm, into the kit's kernel cache")
+               "fp32/fp64, every algorithm, and the covariance Gram kernel (dmma route), into the kit's kernel cache")
 # commands 2 and 3 follow command 1 on the same machine: its cache holds every kernel already
 KERNELS_AGAIN = replace(KERNELS, cap=15, what="the same, found in the kit's kernel cache (compiled by command 1)")
 ENV = Step("env", "env", 15, what="versions: GPU, driver, NVRTC, ncu, Python, torch, Triton, CuPy, JAX; fastspec info")
@@ -130,14 +135,24 @@ PLAN: dict[int, tuple[Step, ...]] = {
                "beside a copy of the same bytes", HEAD),
         _bench("probe", 35, 10, "1.5B shape: measure() vs the forward, keys streaming vs the train step",
                HEAD),
-        Step("race", "race", 40, 10, "eig_race.py: every algorithm of the eigensolver timed and checked on "
+        # which code computes the probe's exact keys update (fastspec/covariance/routes.py): the
+        # route table's rows, right after the headline numbers that the winner changes
+        Step("cov-race", "covrace", 25, 5, "cov_race.py: every exact keys-update route (dmma, triton_f64, "
+             "prep_gemm, blocked) timed (device, host, launches; whole update too) and checked (fp64 Gram, "
+             "svdvals, bitwise) at the bench's keys and a 1.5B layer's; the route-table rows to commit"),
+        # 30 s (was 40): the H200 run of 2026-11-28 raced all 7 shapes in 22 s (the dry run: 6-12 s)
+        Step("race", "race", 30, 10, "eig_race.py: every algorithm of the eigensolver timed and checked on "
              "the same batches; the selection-table rows to commit"),
         # the check of the race the H100 found on 2026-11-27 (each GPU brings its own Triton); it
         # replaced gpu_diag.py's sweep of the 2026-11-26 failures over launch settings, which
-        # that race explained (the sweep still runs by hand)
-        Step("race-probe", "probe", 25, 5, "race_probe.py --kit: the library's uncentred 16-bit covariance "
+        # that race explained (the sweep still runs by hand). 15 s (was 25): 11 s on the H200
+        # (2026-11-28), 2 s in the dry run
+        Step("race-probe", "probe", 15, 5, "race_probe.py --kit: the library's uncentred 16-bit covariance "
              "launch, 8 inputs x 3 launches, exact vs fp64 and bitwise steady; its keys time, graphed"),
-        Step("tests", "tests", 75, 10, "pytest -m 'gpu or triton' (8 workers where pytest-xdist is "
+        # 60 s (was 75): it runs to its cap wherever it runs (the H200, 2026-11-28: SIGINT at 85 s,
+        # killed at 90), so its cap is what the plan can spare; 15 s of it went to cov-race, whose
+        # rows choose the route of every exact keys update
+        Step("tests", "tests", 60, 10, "pytest -m 'gpu or triton' (8 workers where pytest-xdist is "
              "installed): CUDA solver, Triton kernels on CUDA"),
         SUMMARY),
     2: (BUILD, KERNELS_AGAIN,
@@ -248,6 +263,9 @@ class Run:
         if step.kind == "bench":
             return [py, "-m", "fastspec", "bench", "--suite", step.suite, *step.select, *size,
                     "--json", str(self.out / f"{step.name}.json"), "--time-limit", cap]
+        if step.kind == "covrace":
+            return [py, "benchmarks/cov_race.py", "--json", str(self.out / "cov_race.json"), "--time-limit", cap,
+                    *dry]
         if step.kind == "race":
             return [py, "benchmarks/eig_race.py", "--json", str(self.out / "race.json"), "--time-limit", cap, *dry]
         if step.kind == "compare":

@@ -10,7 +10,8 @@
   there (another command's, copied in) is merged too, a case measured again replacing its rows.
 * Prints one line per result row (times, speedup, throughput or share of the copy's bandwidth,
   errors and a broken accuracy claim, or why it was skipped), the accuracy summary of
-  ``compare.json``, the eigensolver race's winner and times per shape (``race.json``,
+  ``compare.json``, the exact covariance update's route race per shape (``cov_race.json``), the
+  eigensolver race's winner and times per shape (``race.json``,
   ``eig_race.py``), the tools' verdicts from ``tools.txt``, the accuracy rows and timing lines
   of ``diag.txt`` (``race_probe.py --kit``, ``gpu_diag.py``) and pytest's closing line from ``tests.txt``, each failing
   test with its assertion's message where the tests step printed it.
@@ -153,6 +154,17 @@ def summary(out: Path, bench: dict | None) -> list[str]:
                               for n, a in sorted(r["algorithms"].items(), key=lambda kv: kv[1]["ms"]))
             lines.append(f"race {r['shape']}: winner {r['winner']} ({times})")
         lines += [f"race {name}: not run (time limit)" for name in doc.get("not_run", [])]
+    cov = out / "cov_race.json"
+    if cov.exists() and (doc := _load(cov)) is not None:  # cov_race.py: the exact update's routes per shape
+        for r in doc["results"]:
+            times = ", ".join(
+                f"{n} {a['update']['device_us']:.3g} µs"
+                + (f" / host {a['update']['host_us']:.3g} µs" if a["update"].get("host_us") is not None else "")
+                + (f" / {a['update']['launches']} launches" if a["update"].get("launches") is not None else "")
+                + ("" if a["ok"] else " FAILS its checks")
+                for n, a in sorted(r["routes"].items(), key=lambda kv: kv[1]["update"]["device_us"]))
+            lines.append(f"cov-race {r['shape']}: winner {r['winner']} ({times})")
+        lines += [f"cov-race {name}: not run (time limit)" for name in doc.get("not_run", [])]
     tools = out / "tools.txt"
     if tools.exists():  # each tool's verdict lines: "<tool> <mode> <targets>: ok|finding|skipped..."
         lines += [ln for ln in tools.read_text(errors="replace").splitlines()

@@ -30,6 +30,7 @@ KIT = REPO / "benchmarks"
 CPU = torch.device("cpu")
 sys.path.insert(0, str(KIT))
 try:
+    import cov_race
     import eig_race
     import gpu_diag
     import gpu_run
@@ -349,9 +350,10 @@ def test_the_headline_numbers_come_first_and_the_tools_once():
     heads = [s for s in first if s.headline]
     assert [(s.suite, s.select) for s in heads] == [("eigvalsh", gpu_run.HEAD), ("covariance", gpu_run.HEAD),
                                                     ("probe", gpu_run.HEAD)]
-    # after the numbers: the eigensolver race, the covariance race probe, then the tests
-    assert first.index(heads[-1]) + 1 == kinds.index("race") == kinds.index("probe") - 1 == kinds.index("tests") - 2
-    assert every_kind().count("race") == every_kind().count("probe") == 1
+    # after the numbers: the covariance route race, the eigensolver race, the covariance race probe, the tests
+    after = kinds[first.index(heads[-1]) + 1:]
+    assert after == ["covrace", "race", "probe", "tests", "summary"], after
+    assert every_kind().count("covrace") == every_kind().count("race") == every_kind().count("probe") == 1
     every = [s.kind for steps in gpu_run.PLAN.values() for s in steps]
     assert every.count("ncu") == every.count("sanitize") == every.count("tests") == every.count("compare") == 1
     assert "ncu" not in kinds and "sanitize" not in kinds  # not in the command that gives the numbers
@@ -401,6 +403,15 @@ def test_bad_arguments_are_refused_in_one_line(args, message, capsys, tmp_path, 
         gpu_run.main(args)
     assert e.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "OUT").exists()  # refused before anything is written
+
+
+def test_the_cov_race_step_writes_its_json_into_out_under_its_cap(tmp_path):
+    step = next(s for s in gpu_run.PLAN[1] if s.kind == "covrace")
+    assert (step.name, step.cap, step.grace) == ("cov-race", 25, 5)
+    for dry in (False, True):
+        argv = gpu_run.Run(1, gpu_run.PLAN[1], tmp_path, tmp_path, dry).argv(step)
+        assert argv[1:] == ["benchmarks/cov_race.py", "--json", str(tmp_path / "cov_race.json"),
+                            "--time-limit", "25", *(["--dry-run"] if dry else [])]
 
 
 def test_the_kit_stays_offline():
@@ -659,14 +670,27 @@ def test_dry_run_of_the_whole_plan_offline_with_tools_and_anchors_missing(tmp_pa
     # NVRTC compiled every algorithm's kernels for sm_90 once; the later commands found them in the kit's cache
     k = len(precompile.todo(90, [int(n) for n in gpu_run.KERNEL_SIZES], ["float32", "float64"], ["all"]))
     assert k > 6  # the block algorithm's 6 and the candidates'
-    assert re.search(rf"{k} variants for sm_90\n(.*nvrtc .*\n){{{k}}}", (tmp_path / "out1" / "steps.txt").read_text())
-    assert re.search(rf"{k} variants for sm_90\n(.*disk .*\n){{{k}}}", (tmp_path / "out2" / "steps.txt").read_text())
+    # (the header line goes on to count the covariance Gram kernels, listed after the eigensolver's)
+    assert re.search(rf"{k} variants for sm_90\b.*\n(.*nvrtc .*\n){{{k}}}", (tmp_path / "out1" / "steps.txt").read_text())
+    assert re.search(rf"{k} variants for sm_90\b.*\n(.*disk .*\n){{{k}}}", (tmp_path / "out2" / "steps.txt").read_text())
     # the race ran every algorithm on CPU (the team emulation as a stand-in) and its rows are marked so
     race = _strict_json(tmp_path / "out1" / "race.json")
     assert race["dry_run"] is True and len(race["results"]) == len(eig_race.SHAPES) and not race["not_run"]
     assert all(a["ok"] for r in race["results"] for a in r["algorithms"].values())
     assert all(r["measured"]["dry_run"] for r in race["rows"])
     assert re.search(r"^race B4096-n128-fp32-dry: winner \w+ \(", logs[1], re.MULTILINE)
+    # the covariance route race: every route raced or listed with its reason, each raced one
+    # exact on CPU (blocked, the Triton routes interpreted), its rows marked as a dry run's
+    cov = _strict_json(tmp_path / "out1" / "cov_race.json")
+    assert cov["dry_run"] is True and not cov["not_run"]
+    assert [r["shape"] for r in cov["results"]] == [s.name for s in cov_race.DRY_SHAPES]
+    for res in cov["results"]:
+        assert set(res["routes"]) | set(res["not_raced"]) == set(cov["routes"]) and "blocked" in res["routes"]
+        assert all(r["ok"] for r in res["routes"].values()), res["routes"]
+    assert cov["rows"] and all(r["measured"]["dry_run"] for r in cov["rows"])
+    assert re.search(r"^dry-B2-T16-S2-D32-fp16: winner \w+ ", (tmp_path / "out1" / "steps.txt").read_text(),
+                     re.MULTILINE)
+    assert re.search(r"^cov-race dry-B2-T16-S2-D32-fp16: winner \w+ \(", logs[1], re.MULTILINE)  # the summary
     builds = [r for r in _strict_json(tmp_path / "out2" / "bench.json")["results"]
               if r["size"].startswith("compile-") and "fastspec_s" in r]
     assert builds and all(r["fastspec_error"] == 0 for r in builds)
