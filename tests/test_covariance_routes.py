@@ -347,3 +347,19 @@ def test_a_route_whose_kernel_cannot_be_had_hands_the_update_to_the_next(monkeyp
     monkeypatch.setenv(routes.ENV, "dmma")
     with pytest.raises(KernelUnavailable, match="could not compile"):
         cov.update(x)
+
+
+@pytest.mark.triton
+def test_strided_totals_take_the_merge_instead_of_the_folded_kernel(monkeypatch):
+    """The routes' folded merge writes contiguous totals; totals that are views with other strides
+    (what a compiled graph may pass the op) get the route's partials and the merge instead."""
+    if _on_cpu("prep_gemm"):
+        pytest.skip(_on_cpu("prep_gemm"))
+    monkeypatch.setenv(routes.ENV, "prep_gemm")
+    x = torch.randn(2, 6, 2, 16).half()
+    want = fastspec.Covariance((2, 16), track_mean=False).update(x)._state
+    st = {"n": torch.zeros(4, dtype=torch.int64)[::2], "rejected": torch.zeros(2, dtype=torch.int64),
+          "sum": torch.zeros(16, 2, dtype=torch.float64).mT, "gram": torch.zeros(2, 16, 16, dtype=torch.float64)}
+    ops.exact_update(st, x, None, 1)
+    for k in st:
+        assert torch.equal(st[k], want[k]), k

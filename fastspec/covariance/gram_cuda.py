@@ -196,10 +196,24 @@ def _arch(index: int) -> tuple[int, int]:
     return spec.cc, spec.sms
 
 
+_statuses: dict[tuple, str] = {}
+
+
 def status(device: torch.device | str | int, D: int | None = None, dtype: torch.dtype | str | None = None) -> str:
     """"" when :func:`partials_dmma` can run on ``device`` (for ``D`` features of ``dtype`` input,
     each checked when given), else a one-line reason: D or dtype outside the envelope, not a CUDA
-    device, no NVRTC or cuda-bindings, a GPU without float64 tensor cores (before sm_80)."""
+    device, no NVRTC or cuda-bindings, a GPU without float64 tensor cores (before sm_80).
+    Remembered per device with an index, D and dtype: every update asks (host time)."""
+    key = (device, D, dtype)
+    why = _statuses.get(key) if isinstance(device, torch.device) and device.index is not None else None
+    if why is None:
+        why = _status(device, D, dtype)
+        if isinstance(device, torch.device) and device.index is not None:
+            _statuses[key] = why
+    return why
+
+
+def _status(device: torch.device | str | int, D: int | None, dtype: torch.dtype | str | None) -> str:
     why = supports(D, dtype)
     if why:
         return why

@@ -169,9 +169,12 @@ def exact_update(st: dict[str, Tensor], x: Tensor, mask: Tensor | None, row_step
     rows = x.shape[0] * -(-x.shape[1] // row_step)
     name, _ = routes.choose(x, rows)
     route = routes.ROUTES[name]
+    totals = (st["n"], st["rejected"], st["sum"], st["gram"])
     try:
-        if route.accumulate is not None:  # the merge folded into the route's last kernel
-            route.accumulate(st["n"], st["rejected"], st["sum"], st["gram"], x, mask, row_step)
+        # the merge folded into the route's last kernel, which writes the totals as contiguous
+        # arrays (a compiled graph may hand the op strided views: those take the merge)
+        if route.accumulate is not None and all(t.is_contiguous() for t in totals):
+            route.accumulate(*totals, x, mask, row_step)
         else:
             merge_sums(st, False, *route.partials(x, mask, row_step))
     except KernelUnavailable as exc:

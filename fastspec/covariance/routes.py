@@ -299,10 +299,16 @@ def _choose(device: torch.device, dtype: torch.dtype, D: int, rows: int, forced:
 
 
 def forget() -> None:
-    """Drop the cached choices and table (tests; a new table or environment)."""
+    """Drop the cached choices, table, failures and the dmma kernel's remembered statuses (tests;
+    a new table or environment)."""
+    import sys
+
     _chosen.clear()
     _rows.clear()
     _broken.clear()
+    gram_cuda = sys.modules.get(f"{__package__}.gram_cuda")  # only if imported: it loads the driver binding
+    if gram_cuda is not None:
+        gram_cuda._statuses.clear()
 
 
 # --- the update --------------------------------------------------------------------------------
