@@ -282,7 +282,7 @@ def test_the_reference_route_dispatches_dozens_of_ops_per_update(monkeypatch):
     assert sum(mode.ops.values()) > 3 * max(o for o, _ in BUDGET.values()), dict(mode.ops)
 
 
-def test_an_empty_update_changes_nothing_on_every_route(monkeypatch):
+def test_an_empty_update_or_a_closed_gate_changes_nothing_on_every_route(monkeypatch):
     for name in routes.ROUTES:
         if _on_cpu(name):
             continue
@@ -295,6 +295,10 @@ def test_an_empty_update_changes_nothing_on_every_route(monkeypatch):
         ops.covariance_update(st["n"], st["rejected"], st["sum"], st["gram"], torch.randn(0, 4, 2, 8), None, None,
                               1, False, "auto", "auto")
         cov.update(torch.randn(1, 4, 2, 8), torch.zeros(1, 4, dtype=torch.bool))  # every row padding
+        cov.update(torch.randn(1, 4, 2, 8), gate=torch.tensor(False))  # a closed gate, read on the host
+        x = torch.randn(1, 4, 2, 8)  # a closed gate on the data's device: folded into the mask
+        ops.covariance_update(st["n"], st["rejected"], st["sum"], st["gram"], x,
+                              ops.fold_gate(x, None, torch.tensor(False)), None, 1, False, "auto", "auto")
         assert all(torch.equal(st[k], before[k]) for k in before), name
 
 
