@@ -201,9 +201,19 @@ def test_report_pairs_only_conditions_that_have_the_site(tmp_path):
 def test_ctrl_c_leaves_a_valid_partial_run(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-m", "fastspec", "demo", "--quick", "--steps", "100000",
-                             "--no-progress", "--out", str(out)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # Ctrl-C as a user's terminal delivers it: a test runner started in the background by a
+    # non-interactive shell ignores SIGINT, and a child inherits that (its Ctrl-C would do nothing);
+    # a handler of our own is reset to the default in the child at exec
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "fastspec", "demo", "--quick", "--steps", "100000",
+                                 "--no-progress", "--out", str(out)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
