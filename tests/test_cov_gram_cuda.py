@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from benchmarks.sass import disassemble, find_tool, kernels, resource_usage
-from fastspec.covariance import gram_cuda
+from fastspec.covariance import blocked, gram_cuda
 from fastspec.covariance.reference import covariance_partials_reference
 from fastspec.eig import cuda, nvrtc
 
@@ -347,7 +347,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(gram_cuda, "_arch", lambda index: (90, 132))
     monkeypatch.setattr(gram_cuda, "_prefer_shared_memory", lambda kernel, index: dev.carveout.append(kernel[0]))
     monkeypatch.setattr(gram_cuda, "_configured", set())
-    monkeypatch.setattr(gram_cuda, "_local", threading.local())
+    monkeypatch.setattr(blocked, "_local", threading.local())  # a fresh shared workspace per test
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     dev.capturing = capturing
     return dev
@@ -373,8 +373,9 @@ def test_launcher_arguments_do_what_the_kernel_expects(fake, dtype):
 def test_launcher_reuses_its_buffers_except_under_graph_capture(fake):
     x, mask = adversarial(2, 33, 2, 128, torch.bfloat16, seed=8)
     first = gram_cuda.partials_dmma(x, mask)
-    ws = gram_cuda._local.ws
+    ws = blocked.shared_workspace()
     ptrs = {k: t.data_ptr() for k, t in ws._bufs.items()}
+    assert {k[0] for k in ptrs} == {"cov_gram.partials", "cov_gram.counts"}
     again = gram_cuda.partials_dmma(x, mask)
     assert {k: t.data_ptr() for k, t in ws._bufs.items()} == ptrs  # the same partials workspace
     assert torch.equal(again.G, first.G) and again.G.data_ptr() != first.G.data_ptr()  # fresh outputs
@@ -411,7 +412,9 @@ def test_accumulate_adds_into_the_totals_bit_for_bit_as_partials_then_merge(fake
     assert len(fake.launches) == launched and torch.equal(folded["gram"], merged["gram"])
 
     class Ops(TorchDispatchMode):
-        seen: list = []
+        def __init__(self):
+            super().__init__()
+            self.seen: list[str] = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.seen.append(str(func))

@@ -49,6 +49,7 @@ from torch import Tensor
 from .. import _args
 from ..eig import cuda, nvrtc
 from ..eig.nvrtc import KernelUnavailable
+from .blocked import Workspace, shared_workspace
 from .reference import CovPartials
 
 __all__ = ["PROGRAM", "Plan", "accumulate_dmma", "defines", "launch_args", "min_blocks", "partials_dmma", "plan",
@@ -232,41 +233,11 @@ def _status(device: torch.device | str | int, D: int | None, dtype: torch.dtype 
 # --- buffers and launch -------------------------------------------------------------------------
 
 
-class _Workspace:
-    """Buffers reused across calls, one per (name, dtype, device), grown when a larger one is
-    asked for (:class:`fastspec.covariance.blocked.Workspace`'s rule)."""
-
-    def __init__(self):
-        self._bufs: dict[tuple, Tensor] = {}
-        self._views: dict[tuple, Tensor] = {}  # (key, numel) -> the slice handed out: no slice op per call
-
-    def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-        key = (name, dtype, device)
-        view = self._views.get((key, numel))
-        if view is not None:
-            return view
-        t = self._bufs.get(key)
-        if t is None or t.numel() < numel:
-            t = self._bufs[key] = torch.empty(max(numel, 1), dtype=dtype, device=device)
-            self._views = {k: v for k, v in self._views.items() if k[0] != key}  # slices of the old buffer
-        if len(self._views) >= 256:  # sizes that keep changing: no unbounded growth
-            self._views.clear()
-        view = self._views[(key, numel)] = t[:numel]
-        return view
-
-
-_local = threading.local()
-
-
-def _workspace(capturing: bool) -> _Workspace:
-    """This thread's workspace (calls on a thread run in stream order), or a fresh one during
-    CUDA-graph capture."""
-    if capturing:
-        return _Workspace()
-    ws = getattr(_local, "ws", None)
-    if ws is None:
-        ws = _local.ws = _Workspace()
-    return ws
+def _workspace(capturing: bool) -> Workspace:
+    """This thread's workspace, shared with the other exact routes (calls on a thread run in
+    stream order; this kernel's buffers are named ``cov_gram.*``), or a fresh one during CUDA-graph
+    capture (a graph keeps its addresses, which later eager calls must not overwrite)."""
+    return Workspace() if capturing else shared_workspace()
 
 
 _configured: set[tuple] = set()  # (image tag, device index): shared memory opt-in done
@@ -370,8 +341,8 @@ def _launch(x: Tensor, mask: Tensor | None, row_step: int, G: Tensor, s: Tensor,
     if p.rows_per_split > MAX_INDEX:
         raise KernelUnavailable(f"the DMMA Gram kernel counts a block's rows with 32 bits, got {p.rows_per_split}")
     kernels = _kernels(D, dtype, index, p.smem)
-    part = ws.get("partials", p.split * S * p.record, torch.float64, dev)
-    counts = ws.get("counts", p.split * S * 2, torch.int64, dev)
+    part = ws.get("cov_gram.partials", (p.split * S * p.record,), torch.float64, dev)
+    counts = ws.get("cov_gram.counts", (p.split * S * 2,), torch.int64, dev)
     if mask is not None and mask.dtype not in (torch.bool, torch.uint8):
         mask = mask != 0
     m_ptr, m_strides = (0, (0, 0)) if mask is None else (mask.data_ptr(), mask.stride())
