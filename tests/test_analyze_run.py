@@ -232,6 +232,34 @@ def test_bad_inputs_are_one_line_and_write_nothing(tmp_path, capsys):
     assert sorted(p.name for p in taken.iterdir()) == ["notes.txt"]
 
 
+def test_text_of_any_name_binary_refused_and_its_reading_kept_for_resume(tmp_path, capsys):
+    good = ck.write_checkpoint(tmp_path / "good", "llama")
+    out = tmp_path / "out"
+    base = ["--out", str(out), "--tokens", "64", "--seq-len", "32", "--no-progress"]
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(b"\x00\x01\x02 not text")
+    err = _fails(capsys, ["analyze", str(good), "--text", str(binary), *base],
+                 f"fastspec analyze: error: text: {binary} is a binary file")
+    assert "Traceback" not in err
+    copying = tmp_path / "COPYING"  # plain text without an extension (the GPL's file name)
+    copying.write_text("GNU GENERAL PUBLIC LICENSE\nVersion 3, 29 June 2007\n" * 40)
+    _fails(capsys, ["analyze", str(good), "--text", str(copying), "--text-format", "jsonl", *base],
+           f"text: line 1 of {copying} is not JSON")
+    assert not out.exists()
+    assert main(["analyze", str(good), "--text", str(copying), *base, "--no-report"]) == 0
+    settings = json.loads((out / "config.json").read_text())["settings"]
+    assert settings["text"].startswith(f"{copying} (") and settings["text_format"] == "auto"
+    # another reading of the same file: other documents, so the folder is not resumed
+    with pytest.raises(ValueError, match=r"^--out: .*other settings \(text_format 'auto', not 'plain'\)"):
+        analyze_run.analyze(good, out, text=copying, text_format="plain", **{**SMALL, "tokens": 64})
+    # a folder written before --text-format existed was read as auto: it resumes with the default
+    config = json.loads((out / "config.json").read_text())
+    del config["settings"]["text_format"]
+    (out / "config.json").write_text(json.dumps(config))
+    again = analyze_run.analyze(good, out, text=copying, **{**SMALL, "tokens": 64})
+    assert again.skipped == ["good"] and not again.measured
+
+
 def test_unknown_family_measures_keys_and_says_how_to_register(tmp_path, monkeypatch):
     from fastspec.probe import FAMILIES
 

@@ -98,17 +98,113 @@ def test_bad_text_paths(tmp_path):
     (empty / "notes.md").write_text("x")
     with pytest.raises(ValueError) as e:
         read_documents(empty)
-    assert _one_line_error(e, "text: ") == f"text: {empty} has no .txt or .jsonl files"
+    assert _one_line_error(e, "text: ") == (f"text: {empty} has no .txt or .jsonl files (a folder's other files "
+                                            f"are not read: give such a file itself)")
     blank = tmp_path / "blank.txt"
     blank.write_text("  \n")
     with pytest.raises(ValueError) as e:
         read_documents(blank)
     _one_line_error(e, f"text: {blank} holds no text")
+    # a file of any other name is text when it is UTF-8 (test_any_utf8_file_is_plain_text)
     other = tmp_path / "data.csv"
     other.write_text("a,b")
+    assert read_documents(other)[0] == ["a,b"]
+
+
+# the start of the GPL (COPYING): a plain file with no extension
+GPL = ("                    GNU GENERAL PUBLIC LICENSE\n                       Version 3, 29 June 2007\n\n"
+       " Copyright (C) 2007 Free Software Foundation, Inc. <https://fsf.org/>\n Everyone is permitted to "
+       "copy and distribute verbatim copies\n of this license document, but changing it is not allowed.\n"
+       "\n                            Preamble \u2014 caf\u00e9\n") * 8
+
+
+def test_any_utf8_file_is_plain_text(tmp_path):
+    """`--text COPYING` reads the file as one document, the same tokens as the same text in a .txt."""
+    txt, copying = tmp_path / "a.txt", tmp_path / "COPYING"
+    txt.write_text(GPL, encoding="utf-8")
+    copying.write_text(GPL, encoding="utf-8")
+    docs, description = read_documents(copying)
+    assert docs == read_documents(txt)[0] == [GPL]
+    assert description == f"{copying} ({len(GPL.encode()) / 1e3:.1f} kB)"
+    tok = ck.tokenizer()
+    assert torch.equal(pack(tok, docs, tokens=64, seq_len=16), pack(tok, [GPL], tokens=64, seq_len=16))
+    for name in ("notes.md", "guide.rst", "data.json"):  # a .json file is one document too: not JSON lines
+        (tmp_path / name).write_text(GPL)
+        assert read_documents(tmp_path / name)[0] == [GPL]
+    # a folder still reads its .txt/.jsonl files only: COPYING, notes.md, ... beside a.txt are left out
+    docs, description = read_documents(tmp_path)
+    assert docs == [GPL] and description.startswith(f"1 file in {tmp_path} (")
+
+
+def test_binary_or_undecodable_files_are_one_line_errors(tmp_path):
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(b"PK\x03\x04\x00\x00\x08\x00" + bytes(range(256)))
     with pytest.raises(ValueError) as e:
-        read_documents(other)
-    _one_line_error(e, f"text: {other} is not a .txt or .jsonl file")
+        read_documents(binary)
+    assert _one_line_error(e, "text: ") == \
+        f"text: {binary} is a binary file (it holds NUL bytes), not text; expected a UTF-8 text file"
+    latin1 = tmp_path / "README"
+    latin1.write_bytes("caf\u00e9 au lait\n".encode("latin-1"))
+    with pytest.raises(ValueError) as e:
+        read_documents(latin1)
+    assert _one_line_error(e, "text: ") == \
+        f"text: {latin1} is not UTF-8 text (byte 0xe9 at offset 3); expected a UTF-8 text file"
+    # a .txt or .jsonl name says "text": stray bytes are replaced (test_txt_file_is_one_document),
+    # but NUL bytes (UTF-16, a binary renamed) are refused there too
+    utf16 = tmp_path / "utf16.txt"
+    utf16.write_text("hello", encoding="utf-16")
+    with pytest.raises(ValueError) as e:
+        read_documents(utf16)
+    _one_line_error(e, f"text: {utf16} is a binary file")
+    for name in ("a.jsonl", "lines"):  # a line of JSON lines too, named by its number
+        path = tmp_path / name
+        path.write_bytes(json.dumps({"text": "ok"}).encode() + b"\n" + b'{"text": "\x00"}\n')
+        with pytest.raises(ValueError) as e:
+            read_documents(path, text_format="jsonl")
+        _one_line_error(e, f"text: line 2 of {path} is a binary file")
+    lines = tmp_path / "lines"
+    lines.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError) as e:
+        read_documents(lines, text_format="jsonl")
+    assert _one_line_error(e, "text: ") == \
+        f"text: line 2 of {lines} is not UTF-8 text (byte 0xe9 at offset 13 of the line); expected a UTF-8 text file"
+    named = tmp_path / "b.jsonl"
+    named.write_bytes(lines.read_bytes())
+    assert read_documents(named)[0] == ["ok", "caf\ufffd"]
+
+
+def test_text_format_forces_one_reading(tmp_path):
+    body = json.dumps({"text": "alpha"}) + "\n" + json.dumps({"text": "beta"}) + "\n"
+    for name in ("corpus", "corpus.json", "corpus.txt"):
+        path = tmp_path / name
+        path.write_text(body)
+        assert read_documents(path)[0] == [body]  # auto: by the name, plain text
+        assert read_documents(path, text_format="jsonl")[0] == ["alpha", "beta"]
+    jsonl = tmp_path / "corpus.jsonl"
+    jsonl.write_text(body)
+    assert read_documents(jsonl)[0] == read_documents(jsonl, text_format="jsonl")[0] == ["alpha", "beta"]
+    assert read_documents(jsonl, text_format="plain")[0] == [body]
+    # a folder: every file read so
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text(body)
+    (folder / "b.txt").write_text("gamma")
+    assert read_documents(folder)[0] == ["alpha", "beta", "gamma"]
+    assert read_documents(folder, text_format="plain")[0] == [body, "gamma"]
+    with pytest.raises(ValueError) as e:
+        read_documents(folder, text_format="jsonl")
+    _one_line_error(e, f"text: line 1 of {folder / 'b.txt'} is not JSON")
+
+
+@pytest.mark.parametrize("text, fmt, start", [
+    ("x", "xml", "--text-format: expected one of ('auto', 'plain', 'jsonl'), got 'xml'"),
+    (None, "jsonl", "--text-format: 'jsonl' is for the files of --text"),
+    (BUILTIN, "plain", "--text-format: 'plain' is for the files of --text"),
+])
+def test_bad_text_format(text, fmt, start):
+    with pytest.raises(ValueError) as e:
+        read_documents(text, text_format=fmt)
+    _one_line_error(e, start)
 
 
 # --- pack -----------------------------------------------------------------------------------------

@@ -38,11 +38,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .. import _args
+from .text import TEXT_FORMATS
 
 SITES = ("keys", "keys_prerope", "queries", "ffn")
 DTYPES = ("float32", "bfloat16", "float16")
 # settings that change the numbers: a folder is resumed only when they match
-_SAME_FOR_RESUME = ("tokens", "seq_len", "seed", "text", "text_field", "dtype", "sites")
+_SAME_FOR_RESUME = ("tokens", "seq_len", "seed", "text", "text_field", "text_format", "dtype", "sites")
+# settings added later, and the value every folder written before them was made with
+_BEFORE_IT_EXISTED = {"text_format": "auto"}
 
 
 @dataclass
@@ -55,6 +58,7 @@ class Settings:
     seed: int = 0
     text: str | None = None
     text_field: str = "text"
+    text_format: str = "auto"   # text.TEXT_FORMATS: how --text's files are read
     device: str | None = None   # None: cuda when available, else cpu
     dtype: str | None = None    # None: bfloat16 on CUDA, float32 elsewhere
     sites: tuple[str, ...] = SITES
@@ -93,6 +97,7 @@ def check_settings(s: Settings) -> Settings:
     s.batch_size = _args.integer("--batch-size", s.batch_size, minimum=1)
     s.seed = _args.integer("--seed", s.seed, minimum=0)
     _args.text("--text-field", s.text_field)
+    _args.choice("--text-format", s.text_format, TEXT_FORMATS)
     sites = tuple(s.sites)
     bad = [x for x in sites if x not in SITES]
     if bad or not sites:
@@ -155,8 +160,9 @@ def check_out(out: Path, settings: Settings) -> dict | None:
         old = config.get("settings", {})
         new = _settings_json(settings)
         for key in _SAME_FOR_RESUME:
-            if old.get(key) != new[key]:
-                raise ValueError(f"--out: {out} holds an analysis with other settings ({key} {old.get(key)!r}, "
+            was = old.get(key, _BEFORE_IT_EXISTED.get(key))
+            if was != new[key]:
+                raise ValueError(f"--out: {out} holds an analysis with other settings ({key} {was!r}, "
                                  f"not {new[key]!r}); give the same settings to resume it, or another --out")
     reason = unwritable(out)
     if reason is not None:
@@ -481,7 +487,8 @@ def _time_line(meta: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------ the run
-def analyze(models, out, *, text=None, text_field: str = "text", tokens: int = 32768, seq_len: int = 1024,
+def analyze(models, out, *, text=None, text_field: str = "text", text_format: str = "auto",
+            tokens: int = 32768, seq_len: int = 1024,
             batch_size: int = 4, seed: int = 0, device: str | None = None, dtype: str | None = None,
             sites=SITES, progress: bool = True, report: bool = True, log=None) -> Analysis:
     """Spectra of pretrained models or a series of checkpoints (``fastspec analyze``).
@@ -491,8 +498,10 @@ def analyze(models, out, *, text=None, text_field: str = "text", tokens: int = 3
             checkpoints (``checkpoint-*``, ``step*``, ``global_step*`` or any sub-folders with a
             config), ordered by step (``sources.py``).
         out: the output folder; one holding finished models of the same settings is resumed.
-        text: a ``.txt``/``.jsonl`` file, a folder of them, or None for the built-in corpus
-            (``text.py``); ``text_field``: the JSON field of ``.jsonl`` lines.
+        text: a text file (any UTF-8 file; a ``.jsonl`` file is JSON lines), a folder of
+            ``.txt``/``.jsonl`` files, or None for the built-in corpus (``text.py``);
+            ``text_field``: the JSON field of JSON lines; ``text_format``: ``"auto"`` (by the
+            name), ``"plain"`` or ``"jsonl"`` (every file read so).
         tokens, seq_len, batch_size, seed: the token budget of every model, in sequences of
             ``seq_len`` tokens chosen with ``seed``, ``batch_size`` sequences per forward.
         device, dtype: default cuda (bfloat16) when available, else cpu (float32).
@@ -509,13 +518,14 @@ def analyze(models, out, *, text=None, text_field: str = "text", tokens: int = 3
 
     settings = check_settings(Settings(tokens=tokens, seq_len=seq_len, batch_size=batch_size, seed=seed,
                                        text=None if text is None else str(text), text_field=text_field,
+                                       text_format=text_format,
                                        device=device, dtype=dtype, sites=tuple(sites)))
     log = log or sys.stdout
     paths = [models] if isinstance(models, (str, os.PathLike)) else list(models)
     sources = find_models(paths)
     check_series(sources)
     out = Path(out)
-    documents, text_note = read_documents(text, text_field)
+    documents, text_note = read_documents(text, text_field, text_format)
     # what the text is: its path as the user named it (a resumed run names it the same way), its size
     settings.text = text_note
     config = check_out(out, settings)

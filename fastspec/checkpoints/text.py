@@ -1,9 +1,16 @@
 """The text ``fastspec analyze`` feeds every model: read from disk, packed into a fixed token budget.
 
-:func:`read_documents` reads documents from a ``.txt`` file (one document), a ``.jsonl`` file
-(one document per line, from one string field), a folder of those (recursively, sorted by path)
-or, by default, the built-in corpus: the running interpreter's standard library source, the
-demo's text (``fastspec/demo/data.py``), so that an analysis runs without any download.
+:func:`read_documents` reads documents from a text file (one document: any UTF-8 file, whatever
+its name: ``COPYING``, ``notes.md``), a ``.jsonl`` file (one document per line, from one string
+field), a folder of ``.txt``/``.jsonl`` files (recursively, sorted by path; a folder holds other
+things too, so only those two are read) or, by default, the built-in corpus: the running
+interpreter's standard library source, the demo's text (``fastspec/demo/data.py``), so that an
+analysis runs without any download. ``text_format`` forces one reading of every file read.
+
+A file with a NUL byte is binary and refused in one line. A ``.txt``/``.jsonl`` file is text by
+its name: bytes that are not UTF-8 are replaced (U+FFFD), so one stray byte does not stop a run.
+Any other file is text only if it decodes as UTF-8 (the one evidence that it is text at all);
+otherwise it is refused in one line.
 
 :func:`pack` turns documents into the evaluation batch, ``int64 [n_seq, seq_len]``, with one
 model's tokenizer. Design, after the eval protocol (docs/protocols.md: fixed batch, fixed seed,
@@ -32,12 +39,13 @@ from pathlib import Path
 
 from .. import _args
 
-__all__ = ["BUILTIN", "pack", "read_documents"]
+__all__ = ["BUILTIN", "TEXT_FORMATS", "pack", "read_documents"]
 
 BUILTIN = "builtin"
 HEADROOM = 4  # the stream stops at HEADROOM x the tokens needed
 _CHUNK_CHARS = 100_000  # a long document is tokenized in pieces of about this many characters
-_SUFFIXES = (".txt", ".jsonl")
+_SUFFIXES = (".txt", ".jsonl")  # what a folder's files are read from, and names that say "text"
+TEXT_FORMATS = ("auto", "plain", "jsonl")  # auto: .jsonl files are JSON lines, every other file plain
 
 
 def _size(n_bytes: int) -> str:
@@ -66,11 +74,32 @@ def _builtin() -> tuple[list[str], str]:
     return documents, f"built-in corpus: Python {version} standard library source"
 
 
-def _jsonl(path: Path, field: str) -> list[str]:
+def _binary(path: Path, where: str = "") -> ValueError:
+    return ValueError(f"text: {where}{path} is a binary file (it holds NUL bytes), not text; expected a UTF-8 text file")
+
+
+def _not_utf8(path: Path, err: UnicodeDecodeError, where: str = "") -> ValueError:
+    byte = err.object[err.start]
+    return ValueError(f"text: {where}{path} is not UTF-8 text (byte 0x{byte:02x} at offset {err.start}"
+                      f"{' of the line' if where else ''}); expected a UTF-8 text file")
+
+
+def _decode(data: bytes, path: Path, strict: bool, where: str = "") -> str:
+    """``data`` as text; ``strict``: a byte that is not UTF-8 is an error, else it is replaced."""
+    if b"\0" in data:
+        raise _binary(path, where)
+    try:
+        return data.decode("utf-8", errors="strict" if strict else "replace")
+    except UnicodeDecodeError as err:
+        raise _not_utf8(path, err, where) from None
+
+
+def _jsonl(path: Path, field: str, strict: bool) -> list[str]:
     """One document per non-empty line of ``path``: the string ``field`` of the line's JSON object."""
     documents = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # line by line: a large file is never held whole as well
+        for number, raw in enumerate(f, 1):
+            line = _decode(raw, path, strict, where=f"line {number} of ")
             if not line.strip():
                 continue
             try:
@@ -92,24 +121,37 @@ def _jsonl(path: Path, field: str) -> list[str]:
     return documents
 
 
-def _read_file(path: Path, field: str) -> list[str]:
-    if path.suffix.lower() == ".jsonl":
-        return _jsonl(path, field)
-    return [path.read_bytes().decode("utf-8", errors="replace")]
+def _read_file(path: Path, field: str, text_format: str) -> list[str]:
+    """The documents of one file: JSON lines (a ``.jsonl`` name, or ``text_format="jsonl"``) or
+    one plain document. Only a ``.txt``/``.jsonl`` name lets bytes that are not UTF-8 through."""
+    suffix = path.suffix.lower()
+    strict = suffix not in _SUFFIXES
+    try:
+        if text_format == "jsonl" or (text_format == "auto" and suffix == ".jsonl"):
+            return _jsonl(path, field, strict)
+        return [_decode(path.read_bytes(), path, strict)]
+    except OSError as err:
+        raise ValueError(f"text: cannot read {path} ({err.strerror or err})") from None
 
 
-def read_documents(text=None, text_field: str = "text") -> tuple[list[str], str]:
+def read_documents(text=None, text_field: str = "text", text_format: str = "auto") -> tuple[list[str], str]:
     """``(documents, description)``: the documents of ``text`` in order, and one line saying what
     they are (``"3 files in /x (12.3 MB)"``, ``"built-in corpus: Python 3.11 standard library source"``).
 
-    ``text``: None or ``"builtin"`` (the built-in corpus, one document per stdlib file), a ``.txt``
-    file (one document), a ``.jsonl`` file (one document per non-empty line: its string field
-    ``text_field``), or a folder (every ``.txt``/``.jsonl`` under it, recursively, sorted by
-    path). Blank documents are left out. Raises ValueError (``"text: ..."``, or ``"--text-field:
-    ..."`` for a missing field) for a missing path, a folder without such files, a line that is
-    not a JSON object, or text that is empty."""
+    ``text``: None or ``"builtin"`` (the built-in corpus, one document per stdlib file), a file
+    (a ``.jsonl`` file: one document per non-empty line, its string field ``text_field``; any
+    other file: one plain-text document), or a folder (every ``.txt``/``.jsonl`` under it,
+    recursively, sorted by path). ``text_format``: ``"auto"`` (by the name, as just said),
+    ``"plain"`` or ``"jsonl"`` (every file read so, whatever its name). Blank documents are left
+    out. Raises ValueError (``"text: ..."``, or ``"--text-field: ..."`` for a missing field) for a
+    missing path, a folder without such files, a binary file, a file not named ``.txt``/``.jsonl``
+    that is not UTF-8, a line that is not a JSON object, or text that is empty."""
     text_field = _args.text("--text-field", text_field)
+    text_format = _args.choice("--text-format", text_format, TEXT_FORMATS)
     if text is None or (isinstance(text, str) and text == BUILTIN):
+        if text_format != "auto":  # most likely --text was forgotten
+            raise ValueError(f"--text-format: {text_format!r} is for the files of --text; the built-in corpus "
+                             f"has one reading (give --text, or leave --text-format auto)")
         return _builtin()
     if not isinstance(text, (str, os.PathLike)):
         raise _args.ArgumentTypeError(f"text: expected a path, {BUILTIN!r} or None, got {text!r}")
@@ -119,12 +161,11 @@ def read_documents(text=None, text_field: str = "text") -> tuple[list[str], str]
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.suffix.lower() in _SUFFIXES and p.is_file())
         if not files:
-            raise ValueError(f"text: {path} has no .txt or .jsonl files")
-    elif path.suffix.lower() in _SUFFIXES:
-        files = [path]
+            raise ValueError(f"text: {path} has no .txt or .jsonl files (a folder's other files are not read: "
+                             f"give such a file itself)")
     else:
-        raise ValueError(f"text: {path} is not a .txt or .jsonl file (nor a folder of them)")
-    documents = [doc for file in files for doc in _read_file(file, text_field) if doc.strip()]
+        files = [path]
+    documents = [doc for file in files for doc in _read_file(file, text_field, text_format) if doc.strip()]
     n_bytes = sum(file.stat().st_size for file in files)
     if not documents:
         what = "it is empty" if len(files) == 1 else f"its {len(files)} files are all empty"

@@ -18,8 +18,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="output folder (default: ./fastspec_runs/analyze-<timestamp>); one holding finished "
                         "models of the same settings is resumed")
     p.add_argument("--text", default=None,
-                   help="a .txt or .jsonl file, or a folder of them (default: the built-in corpus, offline)")
+                   help="a text file (any UTF-8 file; .jsonl: JSON lines) or a folder of .txt/.jsonl files "
+                        "(default: the built-in corpus, offline)")
     p.add_argument("--text-field", default="text", help="the field of each .jsonl line holding its text (default text)")
+    p.add_argument("--text-format", default="auto", choices=("auto", "plain", "jsonl"),
+                   help="how --text's files are read: auto (.jsonl files as JSON lines, others as plain text), "
+                        "plain or jsonl (every file so, whatever its name) (default auto)")
     p.add_argument("--tokens", type=int, default=DEFAULTS["tokens"],
                    help=f"tokens measured per model, the same for every checkpoint (default {DEFAULTS['tokens']})")
     p.add_argument("--seq-len", type=int, default=DEFAULTS["seq_len"],
@@ -41,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
 
     out = args.out or Path("fastspec_runs") / time.strftime("analyze-%Y%m%d-%H%M%S")
     try:
-        result = analyze(args.models, out, text=args.text, text_field=args.text_field, tokens=args.tokens,
+        result = analyze(args.models, out, text=args.text, text_field=args.text_field,
+                         text_format=args.text_format, tokens=args.tokens,
                          seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed, device=args.device,
                          dtype=args.dtype, sites=tuple(args.sites or SITES), progress=not args.no_progress,
                          report=not args.no_report)
