@@ -73,7 +73,9 @@ CORE = (1, 2)         # the commands a 15-minute lease runs; 3 only when time is
 HEADLINE_BY = 240     # command 1's headline steps end within its first 4 minutes, worst case
 ARCH_DRY = "90"       # the arch the kit targets: the CUDA build is checked even without a GPU
 # csrc/: the extension and NVRTC sources (moved out of fastspec/eig/; setup.py builds from it)
-COPIED = ("fastspec", "csrc", "tests", "benchmarks", "conftest.py", "setup.py", "pyproject.toml", "README.md")
+# LICENSE: pyproject's license-files names it, and a build without it is an error from 2027 (setuptools)
+COPIED = ("fastspec", "csrc", "tests", "benchmarks", "conftest.py", "setup.py", "pyproject.toml", "README.md",
+          "LICENSE")
 # what the host-twin extension is built from (setup.py): the eigensolver's files of csrc/, not
 # cov_gram.cu, which only NVRTC compiles (an edit there must not rebuild the extension)
 NATIVE = ("csrc/bindings.cpp", "csrc/eig_host.cpp", "csrc/eig_host.h", "csrc/eig_core.h", "csrc/eig_algos.h",
