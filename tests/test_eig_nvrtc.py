@@ -4,7 +4,8 @@ twin on the pointers and strides the launcher packed, so the launch arguments ar
 they do, not only for their shape.
 
 The cache: a hit on the second call, a corrupt file compiled again, an unwritable folder kept in
-memory, processes compiling at once, a compile error with its log on disk. The fallbacks: no
+memory, processes compiling at once, a compile error with its log on disk (the cache's privacy
+rules: tests/test_kernel_cache.py). The fallbacks: no
 binding, no NVRTC, a GPU newer than NVRTC knows (PTX), an old driver. Timings are in the
 benchmark (``fastspec bench --suite eigvalsh``, case ``nvrtc-compile``), not here.
 """
@@ -54,6 +55,7 @@ def test_compiles_for_sm90_then_hits_the_disk_cache(cache):
     assert first.origin == "nvrtc" and first.data[:4] == b"\x7fELF" and first.path.parent == cache
     assert first.path.name.startswith("eigvalsh-float32-n128-smem-t128-b3-sm_90-")
     assert [p.name for p in cache.iterdir()] == [first.path.name]  # no temporary file left behind
+    assert (cache.stat().st_mode & 0o777, first.path.stat().st_mode & 0o777) == (0o700, 0o600)  # private
     assert nvrtc.compile_variant(_v128(), nvrtc.Target(90)).origin == "memory"
     # NVRTC's one-byte log was once written into the interpreter's shared b" " (which then broke
     # torch.save far away): output buffers must be the caller's own
@@ -449,7 +451,8 @@ def test_info_says_whether_the_kernel_compiles_here_and_where_the_cache_is(cache
 
     assert main(["info"]) == 0
     out = capsys.readouterr().out
-    assert f"cache: {cache} (writable, 0 kernels; FASTSPEC_CACHE moves it)" in out
+    assert f"cache: {cache} (not created yet: made 0700 at the first compile, writable, 0 kernels; " \
+           "FASTSPEC_CACHE moves it)" in out  # owner and mode once made: tests/test_kernel_cache.py
     if nvrtc.missing():
         assert "kernel: cannot be compiled here: " in out
     else:
@@ -463,6 +466,7 @@ def test_info_says_whether_the_kernel_compiles_here_and_where_the_cache_is(cache
 
     k = json.loads(capsys.readouterr().out)["eigvalsh_kernel"]
     assert k["cache"] == str(cache) and k["cache_writable"] is True
+    assert (k["cache_owner"], k["cache_mode"], k["cache_refused"]) == (None, None, "")
     if not nvrtc.missing():
         assert k["target"].startswith("compute_")  # PTX of the newest arch NVRTC knows
 

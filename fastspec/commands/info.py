@@ -40,8 +40,9 @@ def run(args: argparse.Namespace) -> int:
         where = (f"for {k['target']} (this GPU)" if k["target"] else
                  k.get("reason") or f"no GPU here (it targets sm_{archs[0]} to sm_{archs[-1]})")
         print(f"{'kernel':>10}: compiled at first use by {k['compiler']} ({k['binding']}): {where}")
-    print(f"{'cache':>10}: {k['cache']} ({'writable' if k['cache_writable'] else 'NOT writable'}, "
-          f"{k['cached_kernels']} kernels; FASTSPEC_CACHE moves it)")
+    print(f"{'cache':>10}: {k['cache']} ({cache_state(k)}; FASTSPEC_CACHE moves it)")
+    if k["cache_refused"]:
+        print(f"{'':>10}  NOT USED (kernels compile into memory): {k['cache_refused']}")
     sel = info["eigvalsh_variants"]
     where = f"this GPU (sm_{sel['arch']})" if sel["gpu"] else f"sm_{sel['arch']} (no GPU here)"
     print(f"{'variant':>10}: the kernel's algorithm per problem on {where} "
@@ -65,3 +66,11 @@ def run(args: argparse.Namespace) -> int:
 
 def variants_hint(override: str | None) -> str:
     return f"FASTSPEC_EIG_VARIANT={override}" if override else "FASTSPEC_EIG_VARIANT forces one"
+
+
+def cache_state(k: dict) -> str:
+    """The kernel cache's owner and mode (a private cache: yours and ``0700``), or that it is not
+    made yet, whether it can be written, and how many kernels it holds."""
+    where = (f"owner {k['cache_owner']}, mode {k['cache_mode']}" if k["cache_mode"] else
+             "not created yet" + ("" if k["cache_refused"] else ": made 0700 at the first compile"))
+    return f"{where}, {'writable' if k['cache_writable'] else 'NOT writable'}, {k['cached_kernels']} kernels"

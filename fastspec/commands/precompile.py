@@ -7,7 +7,8 @@ For a GPU that need not be here: a container image or a shared cluster cache bui
 GPU kit (``benchmarks/gpu_run.py``), which fills its cache before its timed steps. The work is
 :func:`fastspec.eig.precompile.precompile`; ``python -m fastspec.eig.precompile`` runs this
 command too. A compute capability without a kernel plan, or a size out of range, is a usage error
-naming the flag; a machine where NVRTC cannot compile is a one-line error and exit status 1.
+naming the flag; a machine where NVRTC cannot compile, or a kernel cache that is refused (not
+private: :mod:`fastspec.eig.cache`) or cannot be written, is a one-line error and exit status 1.
 """
 from __future__ import annotations
 
@@ -85,6 +86,10 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         ver = nvrtc.version()
+        if nvrtc.private_cache() is None:  # refused or not writable: nothing compiled would be kept
+            print(f"fastspec: the kernel cache {nvrtc.cache_dir()} cannot be used (the warning above says why and "
+                  "what to do); nothing to precompile into", file=sys.stderr)
+            return 1
         print(f"NVRTC {ver[0]}.{ver[1]}, cache {nvrtc.cache_dir()}, "
               f"{len(todo(args.arch, args.n, args.dtype, args.algo))} variants for sm_{args.arch}, "
               f"{len(cov_todo(args.arch, args.cov_d))} covariance Gram kernels")

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from .._trace import assume_constant_result
-from . import nvrtc, variants
+from . import cache, nvrtc, variants
 from .limits import MAX_N, SCRATCH
 from .nvrtc import KernelUnavailable, Variant
 
@@ -199,11 +199,11 @@ def status() -> tuple[bool, str]:
 
 
 def build_info() -> dict[str, object]:
-    """Whether the kernel can be compiled here, for which arch, and where the cache is
-    (``fastspec info``)."""
+    """Whether the kernel can be compiled here, for which arch, and where the cache is, its owner
+    and mode and whether it is used (``fastspec info``)."""
     folder = nvrtc.cache_dir()
     info: dict[str, object] = {"compiler": None, "binding": None, "target": None, "cache": str(folder),
-                               "cache_writable": _writable(folder),
+                               "cache_writable": _writable(folder), **cache.describe(folder),
                                "cached_kernels": len([f for f in folder.iterdir() if f.suffix in (".cubin", ".ptx")])
                                if folder.is_dir() else 0}
     ok, compiler = _binding_ok()

@@ -27,8 +27,13 @@ The cache: ``$FASTSPEC_CACHE/eig`` (default ``$XDG_CACHE_HOME/fastspec/eig``, el
 hash of the sources, the target, the NVRTC version and the options. Files are written to a
 temporary name and renamed, so processes and ranks compiling at once never read half a file;
 each starts with the SHA-256 of its payload, and a file that fails the check is compiled again
-and replaced. A cache folder that cannot be written leaves the images in memory (one warning).
-A compile error raises :class:`KernelUnavailable` naming the file that holds NVRTC's log.
+and replaced. That hash catches a torn file, not a planted one, so the cache must be private
+(:mod:`.cache`): folders are created ``0700``; a folder (or the ``$FASTSPEC_CACHE`` above it)
+owned by another user or writable by group or others is not used, nor a cache file that is, or
+that is a symbolic link (one warning naming it and the fix). A cache folder that is refused or
+cannot be written leaves the images in memory (one warning). A compile error raises
+:class:`KernelUnavailable` naming the file that holds NVRTC's log: in the private cache, else a
+``mkstemp`` name in the temporary folder.
 
 ``python -m fastspec.eig.precompile --arch 90`` compiles ahead of time (:mod:`.precompile`).
 """
@@ -45,7 +50,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import limits
+from . import cache, limits
 
 log = logging.getLogger("fastspec")
 
@@ -142,7 +147,7 @@ class Image:
     data: bytes
     origin: str       # "nvrtc" (compiled now), "disk" (cache file), "memory" (this process)
     seconds: float    # compile, or read and verify
-    path: Path | None  # the cache file, None when the cache is not writable
+    path: Path | None  # the cache file; None when the cache is refused, not writable or the file is refused
     log: str = ""     # NVRTC's log of a compile in this process (ptxas lines with -v)
 
 
@@ -286,7 +291,8 @@ def _unframe(blob: bytes) -> bytes | None:
 
 
 def _write_atomic(path: Path, blob: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write ``blob`` to ``path`` in its (existing, private) folder: a ``mkstemp`` file (``0600``)
+    renamed over it, so that readers never see half a file and a link there is replaced, not followed."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -302,6 +308,17 @@ def _warn_unwritable(folder: Path, exc: OSError) -> None:
         _warned_unwritable.add(str(folder))
         log.warning("fastspec: kernel cache %s is not writable (%s); compiled eigensolver kernels stay in "
                     "memory for this process (set FASTSPEC_CACHE to a writable folder)", folder, exc.strerror or exc)
+
+
+def private_cache() -> Path | None:
+    """:func:`cache_dir`, created ``0700`` where missing, when it may be used (:mod:`.cache`);
+    None, with one warning, when it is refused or cannot be created: images then stay in memory."""
+    folder = cache_dir()
+    try:
+        return cache.private_folder(folder)
+    except OSError as exc:
+        _warn_unwritable(folder, exc)
+        return None
 
 
 # --- compiling ---------------------------------------------------------------------------------
@@ -339,16 +356,23 @@ def _compile(program: Program, src: dict[str, str], defines: tuple[str, ...], ta
 
 
 def _save_error_log(stem: str, text: str) -> Path:
-    name = f"{stem}.error.log"
-    for folder in (cache_dir(), Path(tempfile.gettempdir())):
+    """Write NVRTC's log of a failed compile where only this user can: ``<stem>.error.log`` in the
+    private cache, else a fresh ``mkstemp`` name in the temporary folder (never a fixed name in a
+    shared folder, where another user could have planted a link). Returns its path."""
+    folder = private_cache()
+    if folder is not None:
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            path = folder / name
-            path.write_text(text)
-            return path
+            _write_atomic(folder / f"{stem}.error.log", text.encode())
+            return folder / f"{stem}.error.log"
         except OSError:
-            continue
-    return Path("(log not saved: no writable folder)")
+            pass
+    try:
+        fd, name = tempfile.mkstemp(prefix=f"fastspec-{stem}.", suffix=".error.log")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        return Path(name)
+    except OSError:
+        return Path("(log not saved: no writable folder)")
 
 
 def compile_variant(variant: Variant, target: Target, extra_options: tuple[str, ...] = ()) -> Image:
@@ -370,14 +394,19 @@ def compile_program(program: Program, defines: tuple[str, ...], tag: str, target
         if key in _memory:
             img = _memory[key]
             return Image(img.variant, img.target, img.data, "memory", 0.0, img.path, img.log)
-        path = cache_dir() / _file_name(program, tag, target, key)
+        folder = private_cache()  # None: refused or unwritable, the image stays in memory
+        path = None if folder is None else folder / _file_name(program, tag, target, key)
         t0 = time.perf_counter()
+        payload = None
         try:
-            payload = _unframe(path.read_bytes())
-        except OSError:
-            payload = None
+            blob = None if path is None else cache.read(path)
+        except cache.Untrusted as exc:  # not read, not replaced: the warning says what to do
+            cache.warn_once(str(path), f"fastspec: kernel cache file not read, {exc}: delete it (it is then "
+                                       "compiled again); compiling into memory for this process")
+            path = None
         else:
-            if payload is None:
+            payload = None if blob is None else _unframe(blob)
+            if blob is not None and payload is None:
                 log.warning("fastspec: corrupt kernel cache file %s: compiling it again", path)
         if payload is not None:
             img = Image(variant, target, payload, "disk", time.perf_counter() - t0, path)
@@ -385,11 +414,12 @@ def compile_program(program: Program, defines: tuple[str, ...], tag: str, target
             t0 = time.perf_counter()
             data, text = _compile(program, src, defines, tag, target, extra_options)
             seconds = time.perf_counter() - t0
-            try:
-                _write_atomic(path, _frame(data))
-            except OSError as exc:
-                _warn_unwritable(path.parent, exc)
-                path = None
+            if path is not None:
+                try:
+                    _write_atomic(path, _frame(data))
+                except OSError as exc:
+                    _warn_unwritable(path.parent, exc)
+                    path = None
             img = Image(variant, target, data, "nvrtc", seconds, path, text)
         _memory[key] = img
         return img
