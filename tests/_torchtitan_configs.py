@@ -72,6 +72,7 @@ class SyntheticDataLoader(BaseDataLoader):
     class Config(BaseDataLoader.Config):
         seed: int = 1234
         vocab_size: int = VOCAB
+        infinite: bool = True  # it always is; TorchTitan's validator sets this field of its loader
 
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer, seq_len: int,
                  local_batch_size: int, snapshot_every_n_steps: int | None = None):
@@ -194,4 +195,14 @@ def tiny_full_ac() -> FastspecTrainer.Config:
 
     config = tiny()
     config.activation_checkpoint = FullAC.Config()
+    return config
+
+
+def tiny_validated() -> FastspecTrainer.Config:
+    """:func:`tiny` with TorchTitan's validator after every step (2 batches of other synthetic
+    tokens, in eval mode under ``no_grad``): its forwards must not reach the streaming totals."""
+    from torchtitan.components.validate import Validator
+
+    config = tiny()
+    config.validator = Validator.Config(enable=True, freq=1, steps=2, dataloader=SyntheticDataLoader.Config(seed=99))
     return config

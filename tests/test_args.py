@@ -106,7 +106,8 @@ def test_precision_and_backend_are_checked_once_and_handed_down_as_one_object():
         assert _error(fastspec.Probe, model, **kw) == want
     assert {(s.precision, s.backend) for s in (UpdateSettings(p, b) for p in PRECISIONS for b in BACKENDS)} \
         == {(p, b) for p in PRECISIONS for b in BACKENDS}
-    probe = fastspec.Probe(model, precision="fast", backend="torch")
+    # these forwards are eval ones: stream them too (which stream: tests/test_probe_forwards.py)
+    probe = fastspec.Probe(model, precision="fast", backend="torch", forwards="all")
     assert (probe.precision, probe.backend) == ("fast", "torch")
     with probe.streaming():
         model(**batch())

@@ -128,6 +128,16 @@ def test_resume_from_checkpoint_continues_the_uninterrupted_run(run, tmp_path):
         assert logged == {4, 6}
 
 
+def test_evaluator_callback_forwards_do_not_reach_the_streaming_totals(run):
+    """OLMo-core's in-loop evaluation (eval mode, no_grad) at startup and after every step from
+    step 2: the streamed records are those of the run without it, every token counted once."""
+    evaluated = run("--emit-on", "all", "--eval-every", "1", nproc=1)[0]
+    assert len(evaluated["evaluations"]) == 1 + (STEPS - 1)  # it did evaluate: startup, steps 2..6
+    plain = run("--emit-on", "all", nproc=1)[0]
+    _assert_each_token_once(evaluated["records"])
+    assert _values(evaluated["records"]) == _values(plain["records"])  # bit for bit
+
+
 def test_emit_on_rank0_only_rank0_keeps_records_and_logs(run):
     """Default sync follows emit_on ("rank0"); rank 0's values are the global ones, and what it
     logs is ``scalars`` of each emission, in the metrics OLMo-core hands its loggers."""

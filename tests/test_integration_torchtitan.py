@@ -179,6 +179,18 @@ def test_full_activation_checkpointing_counts_tokens_once(seed, tmp_path):
 
 
 @pytest.mark.slow
+def test_validation_forwards_do_not_reach_the_streaming_totals(reference, seed, tmp_path):
+    """TorchTitan's validator after every step (eval mode, no_grad, other tokens): the streamed
+    records are those of the same run without it, bit for bit."""
+    out = _run(tmp_path, 1, *_from_seed(seed), *_batch(1), config="tiny_validated")
+    validated = [line["step"] for line in out["metrics"] if any(k.startswith("validation") for k in line["metrics"])]
+    assert validated == [1, 2, 3, 4]  # it did validate, every step
+    got, want = out["ranks"][0]["history"], reference["ranks"][0]["history"]
+    _assert_same_records(got, want)
+    keep = [(_key(r), r["value"]) for r in got if r["metric"] != "overhead_fraction"]
+    assert keep == [(_key(r), r["value"]) for r in want if r["metric"] != "overhead_fraction"]
+
+
 def test_resume_restores_the_probe_state(seed, tmp_path):
     """A run checkpointed at step 2 and resumed there emits at step 3 what the uninterrupted run
     emits: the streaming accumulators of steps 1-2 (per rank) and the schedule come back."""

@@ -67,7 +67,8 @@ def test_step_without_streaming_warns_once_but_not_after_a_detach():
     assert len(msgs) == 1 and "with probe.streaming():" in msgs[0] and "probe.attach()" in msgs[0]
     assert caught[0].filename == __file__  # points at the caller
     # legitimate: attached; one final step after detach; streaming() around each step's forwards
-    probe = fastspec.Probe(model, emit_every=2)
+    # these forwards are eval ones: stream them too (which stream: tests/test_probe_forwards.py)
+    probe = fastspec.Probe(model, emit_every=2, forwards="all")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with probe.streaming():
@@ -97,7 +98,7 @@ def test_attention_mask_that_does_not_fit_the_tokens_raises(make):
     inputs = batch(B=3, T=12, pad="right")
     bad = {**inputs, "attention_mask": make(inputs["attention_mask"])}
     shape = r"\[3, 12\] \(the \[B, T\] of input_ids/inputs_embeds\), got \["
-    probe = fastspec.Probe(model, emit_every=1)
+    probe = fastspec.Probe(model, emit_every=1, forwards="all")
     with pytest.raises(ValueError, match=r"attention_mask: expected a 2-D padding mask of shape " + shape):
         probe.measure(bad, step=0)
     embeds = model.get_input_embeddings()(inputs["input_ids"])
@@ -114,7 +115,7 @@ def test_attention_mask_is_checked_inside_a_compiled_graph():
     wording differs between torch versions."""
     model = build("gpt2")
     inputs = batch(B=3, T=12, pad="right")
-    probe = fastspec.Probe(model, emit_every=1).attach()
+    probe = fastspec.Probe(model, emit_every=1, forwards="all").attach()
     try:
         torch._dynamo.reset()
         compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
@@ -170,7 +171,7 @@ def test_flattened_ffn_rows_get_the_padding_mask():
 def test_generation_with_a_cache_may_pass_a_longer_mask():
     model = build("llama")
     inputs = batch(B=2, T=6, pad="left")
-    probe = fastspec.Probe(model, ffn_rows="all", emit_every=1)
+    probe = fastspec.Probe(model, ffn_rows="all", emit_every=1, forwards="all")
     with probe.streaming():
         model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
         assert _n(probe.step(0), "ffn") == {inputs["attention_mask"].sum().item() + 2 * 2}
@@ -190,7 +191,7 @@ def test_a_mask_longer_than_the_tokens_passes_with_a_cache_and_raises_without_on
     inputs = batch(B=2, T=6, pad="left")
     new = torch.tensor([[5], [7]])
     mask = torch.cat([inputs["attention_mask"], torch.ones(2, 1, dtype=torch.long)], 1)  # [2, 7]
-    probe = fastspec.Probe(model, ffn_rows="all", emit_every=1)
+    probe = fastspec.Probe(model, ffn_rows="all", emit_every=1, forwards="all")
     with probe.streaming(), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # 5.24's deprecated past_key_values name
         for name in [*_cache_names(model), None]:  # None: positionally
@@ -223,14 +224,15 @@ def test_a_cache_object_under_any_keyword_counts_as_a_cache():
     cover earlier tokens; ``kv=None`` (or a non-cache value) does not."""
     from fastspec.probe.hooks import ForwardScope
 
-    scope = ForwardScope(_KVNet())
+    net = _KVNet()  # the pre-hook reads the model's train/eval mode: handed the module as a hook is
+    scope = ForwardScope(net)
     ids, mask = torch.ones(2, 1, dtype=torch.long), torch.ones(2, 7, dtype=torch.long)
-    scope.start(None, (ids, mask), {"kv": transformers.DynamicCache()})
+    scope.start(net, (ids, mask), {"kv": transformers.DynamicCache()})
     assert scope.mask is not None and scope.mask.shape == (2, 7)
     scope.reset()
     for kv in (None, torch.zeros(2, 6)):
         with pytest.raises(ValueError, match=r"shape \[2, 1\] \(the \[B, T\] of input_ids/inputs_embeds\), got \[2, 7\]"):
-            scope.start(None, (ids, mask), {"kv": kv})
+            scope.start(net, (ids, mask), {"kv": kv})
         scope.reset()
 
 
@@ -242,7 +244,8 @@ def test_sites_that_capture_no_rows_warn_with_a_hint(monkeypatch):
     monkeypatch.setitem(fastspec.probe.FAMILIES, "spare_llama",
                         fastspec.probe.Family(ffn=r"(?:.*\.)?layers\.(\d+)\.mlp\.spare"))
     # the embedding's input holds token ids: no floating-point rows
-    probe = fastspec.Probe(model, modules=ModuleSite("model.embed_tokens", io="input"), emit_every=1)
+    probe = fastspec.Probe(model, modules=ModuleSite("model.embed_tokens", io="input"), emit_every=1,
+                           forwards="all")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         records = probe.measure(batch(), step=0)
@@ -260,7 +263,7 @@ def test_sites_that_capture_no_rows_warn_with_a_hint(monkeypatch):
 def test_streaming_warns_when_the_model_bypasses_the_attention_interface(monkeypatch):
     model = build("bert")
     monkeypatch.setattr(hf_attention, "watch", lambda callbacks, impl: hf_attention.Watch([], []))
-    probe = fastspec.Probe(model, emit_every=1)
+    probe = fastspec.Probe(model, emit_every=1, forwards="all")
     msgs = _streaming_warnings(probe, model, 2)
     assert len(msgs) == 1 and "site 'keys' captured no rows by step 0" in msgs[0]
     assert "attention interface" in msgs[0]
@@ -300,7 +303,7 @@ def test_module_site_arguments_and_duplicate_site_names_raise():
 def test_steps_and_tokens_seen_take_numpy_ints_and_name_bad_ones():
     np = pytest.importorskip("numpy")
     model = build("gpt2")
-    probe = fastspec.Probe(model, emit_every=1)
+    probe = fastspec.Probe(model, emit_every=1, forwards="all")
     records = probe.measure(batch(), step=np.int64(3), tokens_seen=np.int64(100))
     assert {(r.step, r.tokens_seen) for r in records} == {(3, 100)} and type(records[0].step) is int
     with probe.streaming():
@@ -327,7 +330,7 @@ def test_probe_is_a_context_manager_and_close_removes_every_hook_also_on_error()
     model = build("llama")
     bare = _hook_count(model)
     with pytest.raises(RuntimeError, match="training failed"):
-        with fastspec.Probe(model, emit_every=1) as probe:
+        with fastspec.Probe(model, emit_every=1, forwards="all") as probe:
             assert isinstance(probe, fastspec.Probe)
             probe.attach()
             assert _hook_count(model) > bare

@@ -132,7 +132,8 @@ def test_measure_names_the_site_layers_that_rejected_nan_rows():
 
 def test_streamed_nan_rows_warn_once_per_site_layer():
     model = _nan_ffn_model()
-    probe = fastspec.Probe(model, emit_every=1, ffn_rows="all")
+    # these forwards are eval ones: stream them too (which stream: tests/test_probe_forwards.py)
+    probe = fastspec.Probe(model, emit_every=1, ffn_rows="all", forwards="all")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with probe.streaming():

@@ -12,7 +12,7 @@ import torch
 from _tiny_models import batch, build
 
 import fastspec
-from fastspec.probe.budget import OverheadBudget
+from fastspec.probe.budget import PAUSE_FACTOR, PAUSE_MIN_STEPS, PAUSE_WINDOW, OverheadBudget
 from fastspec.probe.ffn_sampling import (
     DEFAULT_FFN_SHARE,
     auto_ffn_rows,
@@ -184,7 +184,8 @@ def test_probe_adapts_interval_to_stay_under_budget():
     inputs = batch(B=2, T=8)
     tick = 1e-3
     clock = TickClock(tick)
-    probe = fastspec.Probe(model, ffn=False, budget=0.01, emit_every=1000, clock=clock)
+    # these forwards are eval ones: stream them too (which stream: tests/test_probe_forwards.py)
+    probe = fastspec.Probe(model, ffn=False, budget=0.01, emit_every=1000, clock=clock, forwards="all")
     captured_steps = []
     with probe.streaming():
         for step in range(40):
@@ -208,7 +209,7 @@ def test_probe_adapts_interval_to_stay_under_budget():
 def test_without_budget_every_step_is_captured_and_overhead_reported():
     model = build("gpt2")
     clock = TickClock(1e-3)
-    probe = fastspec.Probe(model, ffn=False, emit_every=5, clock=clock)
+    probe = fastspec.Probe(model, ffn=False, emit_every=5, clock=clock, forwards="all")
     with probe.streaming():
         for step in range(5):
             model(**batch(B=2, T=8))
@@ -225,7 +226,7 @@ def test_measure_is_not_timed_as_streaming_overhead():
     # (popped only by step()) and charge eval forwards to the streaming capture interval
     model = build("gpt2")
     clock = TickClock(1e-3)
-    probe = fastspec.Probe(model, ffn=False, budget=0.01, clock=clock)
+    probe = fastspec.Probe(model, ffn=False, budget=0.01, clock=clock, forwards="all")
     for step in range(3):
         probe.measure(batch(B=2, T=8), step=step)
     assert clock.reads == 0
@@ -244,7 +245,8 @@ def _simulate(*, budget, every, emit_every, capture_s, emit_s, steps=160, step_s
     model = build("gpt2")
     inputs = batch(B=2, T=8)
     clock = ManualClock()
-    probe = fastspec.Probe(model, ffn=False, budget=budget, every=every, emit_every=emit_every, clock=clock)
+    probe = fastspec.Probe(model, ffn=False, budget=budget, every=every, emit_every=emit_every, clock=clock,
+                           forwards="all")
     update, emit = probe._totals.update, probe._emitter.records
 
     def slow_update(*args, **kwargs):
@@ -363,13 +365,13 @@ def test_ffn_rows_all_int_and_measure(name):
     inputs = batch(B=3, T=12, pad="right")
     mask = inputs["attention_mask"]
     tokens = mask.sum().item()
-    n = _stream_n(fastspec.Probe(model, ffn_rows="all", emit_every=1), model, inputs)
+    n = _stream_n(fastspec.Probe(model, ffn_rows="all", emit_every=1, forwards="all"), model, inputs)
     assert n == {"keys": tokens, "ffn": tokens}  # full rate
-    n = _stream_n(fastspec.Probe(model, ffn_rows=3, emit_every=1), model, inputs)
+    n = _stream_n(fastspec.Probe(model, ffn_rows=3, emit_every=1, forwards="all"), model, inputs)
     assert n == {"keys": tokens, "ffn": mask[:, ::3].sum().item()}  # every 3rd token, padding excluded
-    n = _stream_n(fastspec.Probe(model, ffn_rows=2, row_step=2, emit_every=1), model, inputs)
+    n = _stream_n(fastspec.Probe(model, ffn_rows=2, row_step=2, emit_every=1, forwards="all"), model, inputs)
     assert n == {"keys": mask[:, ::2].sum().item(), "ffn": mask[:, ::4].sum().item()}  # row_step x ffn_rows
-    auto = fastspec.Probe(model, emit_every=1)
+    auto = fastspec.Probe(model, emit_every=1, forwards="all")
     assert auto.ffn_rows > 1
     n = _stream_n(auto, model, inputs)
     assert n["ffn"] == mask[:, ::auto.ffn_rows].sum().item() < tokens
@@ -387,7 +389,7 @@ def test_cuda_records_arrive_asynchronously_and_match_cpu():
     inputs = batch(pad="right")
     want = {(r.site, r.layer, r.head_index, r.metric): r.value for r in fastspec.Probe(model).measure(inputs, step=0)}
     model = model.cuda()
-    probe = fastspec.Probe(model, emit_every=1, ffn_rows="all")
+    probe = fastspec.Probe(model, emit_every=1, ffn_rows="all", forwards="all")
     with probe.streaming():
         model(**{k: v.cuda() for k, v in inputs.items()})
         probe.step(0)
@@ -426,7 +428,7 @@ def test_step_clock_leaves_out_pauses_while_detached():
 def _slow_probe(capture_s: float, clock, **kw):
     """A gpt2 probe (keys only) whose captured forwards cost ``capture_s`` on ``clock``."""
     model = build("gpt2")
-    probe = fastspec.Probe(model, ffn=False, emit_every=1000, clock=clock, **kw)
+    probe = fastspec.Probe(model, ffn=False, emit_every=1000, clock=clock, forwards="all", **kw)
     update = probe._totals.update
 
     def slow_update(*args, **kwargs):
@@ -490,3 +492,75 @@ def test_capturing_says_which_steps_the_schedule_captures():
             probe.step(step)
     assert seen == [True, False, False, True, False, False, True]
     assert probe.overhead()["every"] == 3
+
+
+# ---------------------------------------------------------------- pauses it is not told about
+def _steady(b: OverheadBudget, n: int, step_s: float = 1.0, work: float = 0.01) -> None:
+    for _ in range(n):
+        b.observe(work, 0.0, step_s + work, captured=True)
+
+
+def test_a_step_far_longer_than_the_recent_ones_counts_at_their_median():
+    b = OverheadBudget(None, 1, smoothing=1.0)
+    _steady(b, PAUSE_MIN_STEPS)
+    b.observe(0.01, 0.0, 20.0 + 0.01, captured=True)  # a checkpoint save: 19 s more than a step
+    assert (b.paused_steps, b.paused_s) == (1, pytest.approx(19.0))
+    assert b.base_s == pytest.approx(PAUSE_MIN_STEPS + 1.0)  # counted as one typical step
+    assert b.measured_fraction == pytest.approx(0.01) and b.last_fraction == pytest.approx(0.01)
+    b.observe(0.01, 0.0, PAUSE_FACTOR * 1.0 + 0.01, captured=True)  # at the limit: a slow step, kept
+    assert b.paused_steps == 1 and b.base_s == pytest.approx(PAUSE_MIN_STEPS + 1.0 + PAUSE_FACTOR)
+    # emission and capture work are the probe's, never a pause: only the probe-free time is judged
+    b.observe(0.01, 10.0, 1.0 + 10.01, captured=True, emitted=True)
+    assert b.paused_steps == 1
+
+
+def test_the_pause_rule_waits_for_history_and_follows_a_lasting_change():
+    b = OverheadBudget(None, 1)
+    b.observe(0.0, 0.0, 1.0, captured=False)
+    b.observe(0.0, 0.0, 50.0, captured=False)  # the second step: nothing to compare with yet
+    assert b.paused_steps == 0 and b.base_s == pytest.approx(51.0)
+    b = OverheadBudget(None, 1)
+    _steady(b, 10)
+    paused = []
+    for _ in range(PAUSE_WINDOW):  # from here on every step takes 4x as long (longer sequences)
+        b.observe(0.01, 0.0, 4.01, captured=True)
+        paused.append(b.paused_steps)
+    assert 0 < paused[-1] <= PAUSE_WINDOW // 2 + 1  # set aside until they are half the window ...
+    assert paused[-1] == paused[-4]                  # ... then training again
+
+
+def test_pause_bookkeeping_survives_a_state_dict_round_trip():
+    b = OverheadBudget(None, 1)
+    _steady(b, 6)
+    b.observe(0.01, 0.0, 30.0, captured=True)
+    c = OverheadBudget(None, 1)
+    c.load_state_dict(b.state_dict())
+    assert (c.paused_steps, c.paused_s) == (b.paused_steps, b.paused_s) == (1, pytest.approx(30.0 - 0.01 - 1.0))
+    c.observe(0.01, 0.0, 30.0, captured=True)  # the restored window still knows a typical step
+    assert c.paused_steps == 2
+    old = {k: v for k, v in b.state_dict().items() if k not in ("paused_steps", "paused_s", "recent")}
+    d = OverheadBudget(None, 1)
+    d.load_state_dict(old)  # a checkpoint written before the rule
+    assert (d.paused_steps, d.paused_s) == (0, 0.0)
+
+
+def test_probe_left_attached_while_a_twin_trains_reports_the_probed_steps_cost():
+    # the issue's loop: blocks of probed steps, and between them a probe-free twin trained for 15
+    # steps with the probe still attached. Each twin block used to count as one probed step
+    # (16 s of base time for 1 s of training) and made a 5% overhead read as ~1.6%
+    clock = ManualClock()
+    model, probe = _slow_probe(0.05, clock)
+    inputs = batch(B=2, T=8)
+    step = 0
+    with probe.streaming():
+        for block in range(4):
+            for _ in range(15):
+                model(**inputs)
+                clock.advance(1.0)
+                probe.step(step)
+                step += 1
+            clock.advance(15.0)  # the twin's 15 steps: the probe is not told
+    ov = probe.overhead()
+    assert (ov["paused_steps"], ov["paused_s"]) == (3, pytest.approx(3 * 15.0))
+    assert ov["measured"] == pytest.approx(0.05) and ov["average"] == pytest.approx(0.05)
+    assert ov["base_s"] == pytest.approx(59 * 1.0)

@@ -22,7 +22,8 @@ OP = "fastspec.covariance_update_"
 
 
 def _probe(model, name: str, **kw) -> fastspec.Probe:
-    return fastspec.Probe(model, queries=True, prerope_keys=name != "gpt2", ffn_rows="all", **kw)
+    # these forwards are eval/no_grad ones: stream them too (which stream: tests/test_probe_forwards.py)
+    return fastspec.Probe(model, queries=True, prerope_keys=name != "gpt2", ffn_rows="all", forwards="all", **kw)
 
 
 def _values(records) -> dict:
@@ -126,7 +127,7 @@ def test_measure_runs_eagerly_next_to_submodules_compiled_in_place():
     for layer in model.model.layers:
         layer.self_attn.compile(fullgraph=True, backend="aot_eager")
         layer.mlp.compile(fullgraph=True, backend="aot_eager")
-    probe = fastspec.Probe(model, ffn_rows="all", emit_every=1)
+    probe = fastspec.Probe(model, ffn_rows="all", emit_every=1, forwards="all")
     with probe.streaming():
         with torch.no_grad():
             model(**inputs)
@@ -158,7 +159,7 @@ def test_no_recompile_across_100_steps_with_emission_and_a_changing_interval():
     model = build("llama")
     inputs = batch(B=2, T=8)
     now = [0.0]
-    probe = fastspec.Probe(model, ffn_rows="all", budget=0.1, emit_every=10, clock=lambda: now[0])
+    probe = fastspec.Probe(model, ffn_rows="all", budget=0.1, emit_every=10, clock=lambda: now[0], forwards="all")
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     everys, captured, counted = [], 0, []
     with probe.streaming():

@@ -33,7 +33,8 @@ def _worker(rank: int, tmpdir: str) -> None:
         model = build("llama")
         inputs = _half(batch(B=4, T=10, pad="left"), rank)
         out = {"measure": fastspec.Probe(model, queries=True).measure(inputs, step=3)}
-        probe = fastspec.Probe(model, emit_every=1, sync="rank0", ffn_rows="all")
+        # these forwards are eval ones: stream them too (which stream: tests/test_probe_forwards.py)
+        probe = fastspec.Probe(model, emit_every=1, sync="rank0", ffn_rows="all", forwards="all")
         with probe.streaming():
             model(**inputs)
             out["rank0"] = probe.step(0)

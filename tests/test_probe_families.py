@@ -177,7 +177,8 @@ def test_logits_are_bitwise_unchanged_with_the_probe_on(case):
     inputs = batch(B=2, T=10, pad="left")
     with torch.no_grad():
         want = model(**inputs).logits
-        probe = fastspec.Probe(model, queries=True, ffn_rows="all", emit_every=1)
+        # these forwards are eval/no_grad ones: stream them too (which stream: tests/test_probe_forwards.py)
+        probe = fastspec.Probe(model, queries=True, ffn_rows="all", emit_every=1, forwards="all")
         with probe.streaming():
             got = model(**inputs).logits
     assert torch.equal(got, want)

@@ -143,7 +143,8 @@ def _fsdp_worker(rank: int, tmpdir: str) -> None:
         return model
 
     def stream(model, forward, backward: bool) -> dict:
-        probe = fastspec.Probe(model, ffn_rows="all", emit_every=1)  # sync="all"
+        # these forwards are eval ones: stream them too (which stream: tests/test_probe_forwards.py)
+        probe = fastspec.Probe(model, ffn_rows="all", emit_every=1, forwards="all")  # sync="all"
         with probe.streaming():
             with torch.set_grad_enabled(backward):
                 logits = forward(**inputs).logits
@@ -181,7 +182,7 @@ def fsdp(tmp_path_factory):
     _fully_shard()
     model = build("llama")
     full = batch(**FSDP_INPUTS)
-    probe = fastspec.Probe(model, ffn_rows="all", emit_every=1)
+    probe = fastspec.Probe(model, ffn_rows="all", emit_every=1, forwards="all")
     with probe.streaming():
         model(**full)
         stream = _values(probe.step(0))
@@ -248,7 +249,8 @@ def _tp_worker(rank: int, tmpdir: str) -> None:
         return model
 
     def probe(model):
-        return fastspec.Probe(model, queries=True, ffn=False, tp_rank=rank, sync="none", emit_every=1)
+        return fastspec.Probe(model, queries=True, ffn=False, tp_rank=rank, sync="none", emit_every=1,
+                              forwards="all")
 
     def stream(model, forward, backward: bool) -> dict:
         p = probe(model)

@@ -177,7 +177,8 @@ def test_spectra_are_the_hand_protocol_spectra_and_give_the_records(family):
 def test_spectra_without_a_batch_are_the_streaming_totals():
     model = build("llama")
     inputs = batch(B=2, T=10)
-    probe = fastspec.Probe(model, ffn=False, emit_every=1000)
+    # these forwards are eval ones: stream them too (which stream: tests/test_probe_forwards.py)
+    probe = fastspec.Probe(model, ffn=False, emit_every=1000, forwards="all")
     assert probe.spectra() == {}
     with probe.streaming():
         model(**inputs)

@@ -53,7 +53,8 @@ def test_padding_content_never_reaches_the_metrics(pad):
 def test_attention_mask_passed_positionally_is_honoured():
     model = build("llama")
     inputs = batch(pad="left")
-    probe = fastspec.Probe(model, ffn_rows="all", emit_every=1)
+    # these forwards are eval ones: stream them too (which stream: tests/test_probe_forwards.py)
+    probe = fastspec.Probe(model, ffn_rows="all", emit_every=1, forwards="all")
     with probe.streaming():
         model(inputs["input_ids"], inputs["attention_mask"])  # forward(input_ids, attention_mask, ...)
         records = probe.step(0)
@@ -124,23 +125,32 @@ def test_streaming_detach_removes_everything_and_context_manager_on_error():
     assert _hook_count(model) == before and not hf_attention._PATCHES and not hf_attention._CALLBACKS
 
 
+@pytest.mark.parametrize("forwards", ["train", "all"])
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "autocast_bf16"])
-def test_grad_modes_and_autocast(mode):
-    model = build("llama")
+def test_grad_modes_and_autocast(mode, forwards):
+    """A forward under ``mode``, then a plain one, of a model in training mode. By default
+    (``forwards="train"``) a forward under autocast trains and is captured, one under no_grad or
+    inference_mode does not and is not; with ``forwards="all"`` each is captured, equal to the rest."""
+    model = build("llama").train()  # dropout is off: the same numerics as in eval mode
     inputs = batch(pad="right")
     reference = _by_key(fastspec.Probe(model).measure(inputs, step=0))
-    probe = fastspec.Probe(model, ffn_rows="all", emit_every=1)
+    probe = fastspec.Probe(model, ffn_rows="all", emit_every=1, forwards=forwards)
     ctx = {"no_grad": torch.no_grad(), "inference_mode": torch.inference_mode(),
            "autocast_bf16": torch.autocast("cpu", dtype=torch.bfloat16)}[mode]
     with probe.streaming():
         with ctx:
             model(**inputs)
         model(**inputs)  # a normal forward after inference mode must still update the state
-        got = _by_key(probe.step(0))
+        records = probe.step(0)
+    got = _by_key(records)
     assert got.keys() == reference.keys()
     rel = 0.1 if mode == "autocast_bf16" else 1e-9  # bf16 activations: ~3 significant digits
     for k, v in reference.items():
         assert got[k] == pytest.approx(v, rel=rel)
+    # the same rows twice leave the metrics as they are: the token counts tell what was captured
+    forwards_captured = 1 if forwards == "train" and mode != "autocast_bf16" else 2
+    tokens = inputs["attention_mask"].sum().item()
+    assert {r.value for r in records if r.metric == "n"} == {forwards_captured * tokens}
 
 
 def test_compiled_model_measure_runs_eager_module():
@@ -157,7 +167,7 @@ def test_streaming_schedule_every_emit_reset_and_running_totals():
     inputs = batch(B=2, T=8)
     tokens = 16
     for reset, expect_n in ((True, [2 * tokens, 2 * tokens]), (False, [2 * tokens, 4 * tokens])):
-        probe = fastspec.Probe(model, every=2, emit_every=4, reset=reset)
+        probe = fastspec.Probe(model, every=2, emit_every=4, reset=reset, forwards="all")
         emitted = []
         with probe.streaming():
             for step in range(8):
@@ -172,7 +182,7 @@ def test_streaming_schedule_every_emit_reset_and_running_totals():
 def test_token_sampling_row_step():
     model = build("gpt2")
     inputs = batch(B=2, T=9)
-    probe = fastspec.Probe(model, ffn_rows="all", row_step=3, emit_every=1)
+    probe = fastspec.Probe(model, ffn_rows="all", row_step=3, emit_every=1, forwards="all")
     with probe.streaming():
         model(**inputs)
         assert {r.value for r in probe.step(0) if r.metric == "n"} == {2 * 3}
@@ -181,12 +191,12 @@ def test_token_sampling_row_step():
 def test_state_dict_round_trip_resumes_exactly():
     model = build("qwen3")
     inputs = [batch(seed=s) for s in range(4)]
-    full = fastspec.Probe(model, emit_every=4, reset=False)
+    full = fastspec.Probe(model, emit_every=4, reset=False, forwards="all")
     with full.streaming():
         for i, b in enumerate(inputs):
             model(**b)
             full.step(i)
-    first = fastspec.Probe(model, emit_every=4, reset=False)
+    first = fastspec.Probe(model, emit_every=4, reset=False, forwards="all")
     with first.streaming():
         for i, b in enumerate(inputs[:2]):
             model(**b)
@@ -195,7 +205,7 @@ def test_state_dict_round_trip_resumes_exactly():
     torch.save({"probe": first.state_dict()}, buf)  # as it goes into a training checkpoint
     buf.seek(0)
     sd = torch.load(buf, weights_only=True)["probe"]
-    resumed = fastspec.Probe(model, emit_every=4, reset=False)
+    resumed = fastspec.Probe(model, emit_every=4, reset=False, forwards="all")
     resumed.load_state_dict(sd)
     with resumed.streaming():
         for i, b in enumerate(inputs[2:], start=2):
@@ -214,7 +224,7 @@ def test_records_dataframe_and_memory_independent_of_sequence_length():
     model = build("llama")
     sizes = []
     for T in (8, 32):
-        probe = fastspec.Probe(model, emit_every=1)
+        probe = fastspec.Probe(model, emit_every=1, forwards="all")
         with probe.streaming():
             model(**batch(B=4, T=T))
             probe.step(0)
@@ -235,7 +245,7 @@ def test_records_say_which_protocol_measured_them():
     """An eval measurement and a streaming emission of the same step share every column but
     ``value`` and ``protocol``: the protocol is what keeps a groupby from averaging them."""
     model = build("llama")
-    probe = fastspec.Probe(model, emit_every=1)
+    probe = fastspec.Probe(model, emit_every=1, forwards="all")
     with probe.streaming():
         model(**batch(B=2, T=8))
         stream = probe.step(3)
@@ -342,7 +352,7 @@ def test_generation_with_kv_cache_counts_each_new_token_once(family):
     kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
               output_scores=True, return_dict_in_generate=True)
     want = model.generate(**inputs, **kw)
-    probe = fastspec.Probe(model, ffn_rows="all", emit_every=1)
+    probe = fastspec.Probe(model, ffn_rows="all", emit_every=1, forwards="all")
     with probe.streaming():
         got = model.generate(**inputs, **kw)
         records = probe.step(0)

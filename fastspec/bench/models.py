@@ -437,11 +437,11 @@ def train_step_case(tier: str, device: torch.device, emit_every: int, *, shape: 
             stats = dict(inp["compile"])
             stats["recompiles"] += _dynamo_counts()[0] - before
         else:
+            # training forwards (gradients on, no backward): what streaming captures
             model, stats = inp["model"], {}
-            with torch.no_grad():
-                base = model(input_ids=ids, labels=ids).loss
-                with inp["probe"].streaming():
-                    probed_loss = model(input_ids=ids, labels=ids).loss
+            base = model(input_ids=ids, labels=ids).loss.detach()
+            with inp["probe"].streaming():
+                probed_loss = model(input_ids=ids, labels=ids).loss.detach()
         return {"fastspec_error": float((probed_loss.double() - base.double()).abs()),
                 "baseline_error": None, **inp["fit"].extras(), **stats}
 

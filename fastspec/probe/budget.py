@@ -54,6 +54,20 @@ the same step, and ranks measure different timings: there the emission interval 
 adapted (only captures are: they involve no collective), and captures keep at least half of
 the budget.
 
+**Pauses it is not told about.** A step's time runs from one :meth:`Probe.step` to the next, so
+whatever else happens in between counts as training: a checkpoint save, an evaluation loop (its
+forwards are left out already, ``timer.py``, but not its data loading and metrics), a data-loader
+stall, a second model trained in the same loop. Counted as training it would inflate the base
+time, make the probe look cheaper than it is, and let the budget spend more. The rule: a step
+whose probe-free time exceeds ``PAUSE_FACTOR`` (3) times the median of the last
+``PAUSE_WINDOW`` (15) steps' (once ``PAUSE_MIN_STEPS`` (5) have been seen) is counted at that
+median, a typical step's duration; the excess is set aside as a pause, and
+:meth:`Probe.overhead` reports how many steps had one (``"paused_steps"``) and how many seconds
+were set aside (``"paused_s"``). The window keeps every step, paused or not, so a lasting change
+of step time (longer sequences, a new phase) is accepted once it fills half the window, while a
+pause every few steps cannot move the median. A pause shorter than twice a step is not caught:
+that is within the spread of step times that a median of recent steps cannot tell from training.
+
 FFN token sampling is sized from a FLOP model before any step runs, not timed: ``ffn_sampling.py``.
 """
 from __future__ import annotations
@@ -70,6 +84,12 @@ from .. import _args
 #: budget and ``every=1``, one step in ``CALIBRATE_EVERY`` left idle to compare with.
 UNTIMED_WINDOW = 9
 CALIBRATE_EVERY = 16
+#: The pause rule (module docstring): a step longer than ``PAUSE_FACTOR`` times the median of the
+#: last ``PAUSE_WINDOW`` steps' probe-free times, once ``PAUSE_MIN_STEPS`` were seen, is counted
+#: at that median.
+PAUSE_FACTOR = 3.0
+PAUSE_WINDOW = 15
+PAUSE_MIN_STEPS = 5
 
 
 class OverheadBudget:
@@ -93,6 +113,9 @@ class OverheadBudget:
         self.untimed = False  # captures ran inside a compiled graph: costs come from step times
         self._step_times: dict[bool, deque[float]] = {True: deque(maxlen=UNTIMED_WINDOW),
                                                       False: deque(maxlen=UNTIMED_WINDOW)}
+        self._recent: deque[float] = deque(maxlen=PAUSE_WINDOW)  # probe-free seconds of recent steps
+        self.paused_steps = 0                   # steps counted at a typical duration (pause rule)
+        self.paused_s = 0.0                     # and the seconds set aside from them
 
     # ------------------------------------------------------------------ schedule
     def capture_due(self, steps_seen: int) -> bool:
@@ -127,6 +150,7 @@ class OverheadBudget:
         """Account one finished step (wall time ``step_s``, of which ``capture_s + emit_s`` was
         probe work; ``capture_s=None``: its captures ran inside a compiled graph, untimed);
         returns the capture interval to use from now on."""
+        step_s = self._set_aside_pause(step_s, capture_s or 0.0, emit_s)
         if capture_s is None and step_s - emit_s > 0:
             capture_s = self._untimed_capture_s(step_s - emit_s, captured)
         known = capture_s is not None
@@ -143,6 +167,21 @@ class OverheadBudget:
             self.emit_cost = self._ema(self.emit_cost, emit_s / base)
         self._plan()
         return self.every
+
+    def _set_aside_pause(self, step_s: float, capture_s: float, emit_s: float) -> float:
+        """``step_s`` with a pause set aside (the pause rule of the module docstring): a step
+        whose probe-free time ``own`` exceeds ``PAUSE_FACTOR`` × the recent median is counted at
+        that median, plus its probe work."""
+        own = step_s - capture_s - emit_s
+        if own <= 0:
+            return step_s
+        typical = statistics.median(self._recent) if len(self._recent) >= PAUSE_MIN_STEPS else None
+        self._recent.append(own)  # paused or not: a lasting change of step time moves the median
+        if typical is None or own <= PAUSE_FACTOR * typical:
+            return step_s
+        self.paused_steps += 1
+        self.paused_s += own - typical
+        return typical + capture_s + emit_s
 
     def _plan(self) -> None:
         b, every, emit = self.budget, self.base_every, self.base_emit_every
@@ -188,7 +227,8 @@ class OverheadBudget:
     def state_dict(self) -> dict:
         return {"every": self.every, "emit_every": self.emit_every, "capture_cost": self.capture_cost,
                 "emit_cost": self.emit_cost, "last_fraction": self.last_fraction,
-                "work_s": self.work_s, "base_s": self.base_s, "last_emit": self.last_emit}
+                "work_s": self.work_s, "base_s": self.base_s, "last_emit": self.last_emit,
+                "paused_steps": self.paused_steps, "paused_s": self.paused_s, "recent": list(self._recent)}
 
     def load_state_dict(self, sd: dict) -> None:
         self.every = int(sd["every"])
@@ -198,6 +238,9 @@ class OverheadBudget:
         self.last_fraction = sd.get("last_fraction")
         self.work_s, self.base_s = float(sd.get("work_s", 0.0)), float(sd.get("base_s", 0.0))
         self.last_emit = int(sd.get("last_emit", 0))
+        self.paused_steps, self.paused_s = int(sd.get("paused_steps", 0)), float(sd.get("paused_s", 0.0))
+        self._recent.clear()
+        self._recent.extend(float(t) for t in sd.get("recent", ()))
 
 
 # names that lived here before the timer and the FFN FLOP model got modules of their own

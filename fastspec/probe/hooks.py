@@ -189,6 +189,13 @@ class ForwardScope:
         self.depth = 0
         self.mask: Tensor | None = None
         self._call: tuple = (None, False)  # compiled: the call's tokens and KV-cache flag, for check_mask
+        # the forward in flight trains: the model in training mode with gradients on (not
+        # no_grad, not inference_mode); what streaming captures by default (routing.py)
+        self.training = True
+        # called with True when an eager forward that does not train starts, False when it ends
+        # (the probe leaves its time out of the step time); never inside a compiled graph
+        self.on_other: Callable[[bool], None] | None = None
+        self.trained = 0  # eager training forwards seen (a warning's hint: were there any?)
 
     @property
     def active(self) -> bool:
@@ -200,6 +207,9 @@ class ForwardScope:
         does not fit its tokens (:func:`check_mask`): eagerly here, before the model runs;
         compiled, at the first capture (:meth:`mask_for`)."""
         if self.depth == 0:
+            # read at trace time under torch.compile: dynamo guards on both anyway (train/eval mode
+            # and grad mode), so this adds no graph break, and no recompile beyond those it makes
+            self.training = bool(module.training) and torch.is_grad_enabled()
             mask, tokens = self._arg(args, kwargs, "attention_mask"), self._arg(args, kwargs, "input_ids")
             tokens = self._arg(args, kwargs, "inputs_embeds") if tokens is None else tokens
             cached = self._cached(args, kwargs)
@@ -211,6 +221,9 @@ class ForwardScope:
             else:  # eager: checked and converted once per forward, not once per capture
                 check_mask(mask, tokens, cached)
                 self.mask = as_bool_mask(mask)
+                if not self.training and self.on_other is not None:
+                    self.on_other(True)
+                self.trained += self.training
         self.depth += 1
 
     def _cached(self, args: tuple, kwargs: dict) -> bool:
@@ -232,9 +245,13 @@ class ForwardScope:
         self.depth = max(0, self.depth - 1)
         if self.depth == 0:
             self.mask, self._call = None, (None, False)
+            if not self.training and self.on_other is not None and not torch.compiler.is_compiling():
+                self.on_other(False)
 
     def reset(self) -> None:
-        self.depth, self.mask, self._call = 0, None, (None, False)
+        if self.depth and not self.training and self.on_other is not None:
+            self.on_other(False)  # hooks removed mid-forward: the span ends here
+        self.depth, self.mask, self._call, self.training = 0, None, (None, False), True
 
     def token_rows(self, x: Tensor) -> Tensor:
         """Rows ``x: [B·T, F]`` flattened from ``[B, T, F]`` (OPT's FFN runs on those) as a

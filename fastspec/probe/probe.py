@@ -70,7 +70,11 @@ from .routing import Router
 from .sites import CONVENTIONS, Collector, module_sites
 from .timer import StepClock, WorkTimer
 
-__all__ = ["RECORD_METRICS", "SPECTRUM_METRICS", "SYNC_MODES", "Probe"]
+__all__ = ["FORWARDS", "RECORD_METRICS", "SPECTRUM_METRICS", "SYNC_MODES", "Probe"]
+
+#: ``Probe(forwards=...)``: which forwards streaming captures: ``"train"`` (the model in training
+#: mode with gradients enabled) or ``"all"`` (evaluation forwards too).
+FORWARDS = ("train", "all")
 
 
 def _unwrap_compiled(model: nn.Module) -> nn.Module:
@@ -147,6 +151,13 @@ class Probe:
             steps do the capture work too (masked out). Default: a CPU tensor, which makes idle
             steps free but keeps Inductor from using CUDA graphs (docs/compile.md).
         clock: host clock for the overhead timer (seconds; default ``time.perf_counter``).
+        forwards: which forwards streaming captures. ``"train"`` (default): training forwards
+            only, the probed model in training mode (``model.train()``) with gradients enabled;
+            a forward under ``model.eval()``, ``torch.no_grad()`` or ``torch.inference_mode()``
+            (a trainer's evaluation, generation) is not captured, costs only that check, and
+            its time (eager forwards) is not step time for the budget. ``"all"``: every forward of
+            the model while attached, evaluation forwards included, their time counted as step
+            time (what streaming did before this option existed). :meth:`measure` ignores it.
         family: where the built-in sites live: a name in ``fastspec.probe.FAMILIES`` or a
             :class:`~fastspec.probe.Family`. Default: found from the model, a Hugging Face
             model's ``config.model_type`` or the class of an OLMo-core or TorchTitan model
@@ -178,7 +189,7 @@ class Probe:
                  emit_every: int = 100, reset: bool = True, row_step: int = 1,
                  budget: float | None = None, ffn_rows: int | str = "auto", sync: str = "all",
                  process_group=None, tp_rank: int = 0, cuda_graphs: bool = False,
-                 clock: Callable[[], float] | None = None, family=None):
+                 clock: Callable[[], float] | None = None, family=None, forwards: str = "train"):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         keys, queries = _args.flag("keys", keys), _args.flag("queries", queries)
@@ -191,6 +202,7 @@ class Probe:
         _args.choice("key_convention", key_convention, CONVENTIONS)
         _args.choice("ffn_convention", ffn_convention, CONVENTIONS)
         _args.choice("sync", sync, SYNC_MODES)
+        _args.choice("forwards", forwards, FORWARDS)
         tp_rank = _args.integer("tp_rank", tp_rank, minimum=0)
         # checked once here; every accumulator of the probe gets this object (covariance/policy.py)
         self.settings = UpdateSettings(precision, backend)
@@ -219,8 +231,9 @@ class Probe:
         self._timer = WorkTimer(clock)
         self._totals = Collector(self.settings)  # the streaming totals (all captures between emissions)
         scope = ForwardScope(self.model)
+        self.forwards = forwards
         self._router = Router(self._totals, scope, self._timer, self.row_step,
-                              cuda_graphs=_args.flag("cuda_graphs", cuda_graphs))
+                              cuda_graphs=_args.flag("cuda_graphs", cuda_graphs), all_forwards=forwards == "all")
         self._hooks = Hooks(self.model, self.sites, self.family, self._router.capture, self._router.slot, scope,
                             wanted=self._router.wanted)
         self._hooks.check()  # a site that matches no module fails here, not at the first measure/attach
@@ -229,12 +242,19 @@ class Probe:
         self._history = History()
         self._steps_seen = 0
         self._clock = StepClock(self._timer.clock)  # each step's seconds, pauses while detached left out
+        # an eager forward that does not train is not step time while only training ones stream
+        scope.on_other = self._other_forward
         self._flush_allowed = False        # one step() after detach() is a final one, not a mistake
         self._warned_step = False
         self._warned_sites: set[str] = set()  # sites a streaming emission warned about (once each)
         self._warned_rejected: set[tuple] = set()  # (site, layer)s streamed NaN/Inf rows were named for
         # measure(tensor) calls model(tensor): its input_ids where forward takes them first (HF models)
         self._tensor_is_input_ids = positional_index(self.model.forward, "input_ids") == 0
+
+    def _other_forward(self, starts: bool) -> None:
+        """``ForwardScope.on_other``: a forward that does not train starts or ends (eager only)."""
+        if self._router.streaming and not self._router.all_forwards:
+            self._clock.other_forward(starts)
 
     # ------------------------------------------------------------- eval protocol
     def _as_batch(self, batch) -> dict | Tensor:
@@ -374,7 +394,8 @@ class Probe:
         return out
 
     def _warn_missing(self, collector: Collector, when: str, *, stacklevel: int,
-                      once: set[str] | None = None, records: list[Record] | None = None) -> None:
+                      once: set[str] | None = None, records: list[Record] | None = None,
+                      other_forwards: int = 0) -> None:
         """Warn for each requested site without a row in ``collector``: by structure, a site that
         never captured (no value is read, so no sync); with the ``records`` of ``collector``
         (values on the host already), also a site that captured but merged and refused no row,
@@ -389,6 +410,10 @@ class Probe:
             if site in ran:  # its hooks ran: the mask, not the model, left it without rows
                 hint = ("its module ran, but the attention_mask kept none of its token rows (the mask's last "
                         "T columns cover a site's [B, T] rows)")
+            elif other_forwards:  # streaming saw forwards, none of them training ones
+                hint = (f"the {other_forwards} forward(s) it saw did not train (model.eval(), torch.no_grad() or "
+                        f"torch.inference_mode()), and streaming captures training forwards only; call "
+                        f"model.train() for training, or pass forwards='all' to stream every forward")
             warnings.warn(f"fastspec.Probe: site {site!r} captured no rows {when}: {hint}.", stacklevel=stacklevel)
 
     def _warn_rejected(self, records: list[Record], when: str, *, stacklevel: int,
@@ -472,9 +497,13 @@ class Probe:
         * times the probe's work (captures and emission; captures in a compiled graph by
           comparing captured and idle step times) against the step time and, with ``budget``,
           chooses the capture and emission intervals (``budget.py``). The step time runs from
-          the previous call, less any time the probe spent detached in between: detach it for
-          work that is not a training step (evaluation, another model), or that time counts
-          as training and the reported overhead reads low (``timer.StepClock``);
+          the previous call, less any time the probe spent detached in between and the eager
+          forwards that do not train (``forwards="train"``: an evaluation's forwards are not
+          captured and not step time, ``timer.StepClock``); a step far longer than the recent
+          ones (over 3× their median) is counted at that median, the rest set aside as a pause
+          it was not told about (a checkpoint save, an evaluation loop, a stall:
+          ``overhead()["paused_steps"]``, ``["paused_s"]``). Detaching for work that is not a
+          training step stays the exact way to leave it out;
         * decides whether the next step's forwards are captured (one step in ``every``).
 
         Under ``torch.distributed`` (``sync`` not ``"none"``) emission is a collective: every rank
@@ -512,7 +541,10 @@ class Probe:
             overhead = budget.average_fraction
             extra = () if overhead is None else ((("probe", None, None, "overhead_fraction"), overhead),)
             if attached:
-                self._warn_missing(self._totals, f"by step {step}", stacklevel=3, once=self._warned_sites)
+                # forwards seen, none of them training ones: the likely reason a site has no rows
+                skipped = 0 if self._router.scope.trained else self._clock.other_forwards
+                self._warn_missing(self._totals, f"by step {step}", stacklevel=3, once=self._warned_sites,
+                                   other_forwards=skipped)
             self._history.add(self._emitter.records(self._totals, step, tokens_seen, "stream", extra=extra))
             if self.reset_after_emit:
                 self._totals.reset()
@@ -556,15 +588,20 @@ class Probe:
         * ``"fraction"``: the last accounted step's work / its probe-free time;
         * ``"every"``, ``"emit_every"``: current capture and (effective) emission intervals;
         * ``"ffn_rows"``, ``"ffn_row_step"``, ``"ffn_share"``: FFN token sampling (every
-          ``ffn_row_step``-th token streamed) and the FLOP share full-rate FFN would cost.
+          ``ffn_row_step``-th token streamed) and the FLOP share full-rate FFN would cost;
+        * ``"paused_steps"``, ``"paused_s"``: steps that held a pause the probe was not told
+          about (over 3× the recent median step, ``budget.py``) and the seconds set aside from
+          them; ``"other_forwards"``, ``"other_s"``: eager forwards that did not train (not
+          captured, ``forwards="train"``) and their seconds, left out of the step times.
         Values not measured yet are ``None``.
         """
-        b = self._budget
+        b, clock = self._budget, self._clock
         return {"fraction": b.last_fraction, "average": b.average_fraction, "capture": b.capture_fraction,
                 "emission": b.emit_fraction, "measured": b.measured_fraction, "work_s": b.work_s,
                 "base_s": b.base_s, "every": b.every,
                 "emit_every": b.emit_every, "ffn_rows": self.ffn_rows, "ffn_row_step": self.sites.ffn_row_step,
-                "ffn_share": self.ffn_share}
+                "ffn_share": self.ffn_share, "paused_steps": b.paused_steps, "paused_s": b.paused_s,
+                "other_forwards": clock.other_forwards, "other_s": clock.other_s}
 
     @property
     def ffn_row_step(self) -> int:

@@ -4,12 +4,16 @@ A capture goes to exactly one :class:`~fastspec.probe.sites.Collector`, or nowhe
 
 1. nowhere outside the probed model's own forward (e.g. the checkpoint recompute in backward);
 2. the eval measurement's collector while :meth:`Probe.measure` runs (:meth:`Router.measuring`);
-3. the streaming totals while the probe is attached and the schedule captures this step;
+3. the streaming totals while the probe is attached, the schedule captures this step, and the
+   forward trains: the model in training mode with gradients enabled (``ForwardScope.training``;
+   an evaluation forward, under ``model.eval()``, ``torch.no_grad()`` or ``torch.inference_mode()``,
+   does not), unless the probe was built with ``forwards="all"`` (:attr:`Router.all_forwards`);
 4. nowhere otherwise.
 
-Nothing is switched in and out to get there: the destination is computed from those three
-facts each time, and each fact has one owner (``measure`` the context, ``attach``/``detach``
-:attr:`Router.streaming`, ``step`` :attr:`Router.capture_this_step`).
+Nothing is switched in and out to get there: the destination is computed from those facts
+each time, and each fact has one owner (``measure`` the context, ``attach``/``detach``
+:attr:`Router.streaming`, ``step`` :attr:`Router.capture_this_step`, the model's own forward
+:attr:`ForwardScope.training`).
 
 Captures run under ``no_grad`` with autocast off and read the activations without changing
 them: outputs and gradients are bitwise the same with and without the probe. Only streaming
@@ -106,9 +110,10 @@ class Router:
     """
 
     def __init__(self, totals: Collector, scope: ForwardScope, timer: WorkTimer, row_step: int,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, all_forwards: bool = False):
         self.totals, self.scope, self.timer, self.row_step = totals, scope, timer, row_step
         self.cuda_graphs = cuda_graphs
+        self.all_forwards = all_forwards  # stream evaluation forwards too (Probe(forwards="all"))
         self.streaming = False         # attached: owned by Probe.attach / detach
         self._capture_this_step = True
         self._gates: dict[torch.device, Tensor] = {}
@@ -173,7 +178,12 @@ class Router:
             return None
         if self._measurement is not None:
             return self._measurement
-        return self.totals if self.streaming and self.capture_this_step else None
+        return self.totals if self.streams() and self.capture_this_step else None
+
+    def streams(self) -> bool:
+        """Whether the forward in flight feeds the streaming totals (schedule aside): attached,
+        and a training forward unless every forward streams."""
+        return self.streaming and (self.all_forwards or self.scope.training)
 
     @contextlib.contextmanager
     def measuring(self, collector: Collector) -> Iterator[Collector]:
@@ -221,7 +231,9 @@ class Router:
                           stream_row_step: int | None) -> None:
         """The traced capture: one custom op on the streaming state, gated by the schedule tensor."""
         # guards, constant for a training run: measure() runs the eager module, not a graph
-        if not self.scope.active or not self.streaming or self._measurement is not None:
+        # an evaluation forward (eval mode, no_grad, inference_mode) traces a graph of its own
+        # (dynamo guards on those modes), and that graph holds no capture
+        if not self.scope.active or not self.streams() or self._measurement is not None:
             return
         if x.numel() == 0:
             return

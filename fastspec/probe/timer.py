@@ -13,7 +13,12 @@ would credit a captured step's cost to an idle one. What the times are used for:
 The step time itself (:class:`StepClock`) runs from one :meth:`Probe.step` call to the next, less
 any time the probe spent detached between two such calls: evaluation, another model trained in
 between, a pause with the probe switched off are not a training step with the probe, and counted
-as one they would make the probe's work look cheaper than it is.
+as one they would make the probe's work look cheaper than it is. For the same reason an eager
+forward of the probed model that does not train (evaluation: ``model.eval()``, ``no_grad``,
+``inference_mode``) is left out while the probe streams training forwards only: the span of its
+root forward (:meth:`StepClock.other_forward`). Pauses the probe is not told about (a checkpoint
+save, a data-loader stall, an evaluation loop's own work) are set aside by the budget's pause
+rule instead (``budget.py``).
 """
 from __future__ import annotations
 
@@ -81,6 +86,21 @@ class StepClock:
         self._last: float | None = None       # the previous step's end
         self._paused = 0.0                    # pause seconds since then
         self._off_since: float | None = None  # detached since (a span no step has closed yet)
+        self._other_since: float | None = None  # a forward that does not train, running since
+        self.other_forwards = 0               # such forwards left out so far, and their seconds
+        self.other_s = 0.0
+
+    def other_forward(self, starts: bool) -> None:
+        """A forward that does not train starts (``True``) or ends: its span is not step time."""
+        if starts:
+            self._other_since = self.clock()
+        elif self._other_since is not None:
+            span = self.clock() - self._other_since
+            self._other_since = None
+            if self._off_since is None:  # inside a detached span it is left out already
+                self._paused += span
+                self.other_forwards += 1
+                self.other_s += span
 
     def detached(self) -> None:
         if self._off_since is None:
@@ -96,5 +116,5 @@ class StepClock:
         now = self.clock()
         step_s = None if self._last is None else now - self._last - self._paused
         # a detached span closed by this step belongs to it; what follows counts from here
-        self._last, self._paused, self._off_since = now, 0.0, None
+        self._last, self._paused, self._off_since, self._other_since = now, 0.0, None, None
         return step_s
