@@ -23,8 +23,8 @@ def test_budget_suite_has_one_case_per_budget_on_the_issue_model():
     assert "budget" in SUITES and SUITES[-1] == "train_step_compiled"
     for tier in ("quick", "cpu", "gpu"):
         got = [(c.suite, c.variant, list(c.baselines), c.claim.text) for c in cases("budget", tier, CPU)]
-        assert got == [("budget", f"budget={b:g}-emit_every=10", ["twin training step (deep copy, own AdamW)"], "= 0")
-                       for b in (0.02, 0.05)]
+        assert got == [("budget", f"budget={b:g}-emit_every=10{layout}", ["twin training step (deep copy, own AdamW)"],
+                        "= 0") for layout in ("", "-attached-blocks=15") for b in (0.02, 0.05)]
     # the CPU row is the setting the under-report was found on, and a GPU runs the same row
     assert budget_suite.SHAPES["cpu"] == budget_suite.SHAPES["gpu"] == dict(
         hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
@@ -66,6 +66,35 @@ def test_paired_run_accounts_every_round_and_ends_its_window_on_an_emission(inpu
     assert out["budget_pct"] == 5.0 and (out["budget_every"], out["budget_emit_every"]) == (1, 4)
     # every step captures (every=1); on CPU the work the probe timed is read per step
     assert out["idle_steps"] == 0 and out["capture_reported_ms"] > 0 and out["emit_reported_ms"] > 0
+
+
+def test_attached_blocks_leave_the_probe_on_while_the_twin_trains_and_set_its_block_aside(inputs):
+    import fastspec
+
+    _, inp = inputs
+    inp["probe"].detach()
+    probe = inp["probe"] = fastspec.Probe(inp["model"], keys=True, ffn=True, emit_every=4)
+    attached_during = []
+    train = budget_suite._train
+
+    def spy(model, opt, ids):
+        attached_during.append((model is inp["twin"], probe._hooks.installed))
+        train(model, opt, ids)
+
+    budget_suite._train = spy
+    try:
+        out = budget_suite.paired_run(inp, CPU, warmup_rounds=8, window_s=1.0, block=4)
+    finally:
+        budget_suite._train = train
+    assert not probe._hooks.installed  # detached at the end
+    # the twin trained with the probe attached (untold); the same model's steps with it detached
+    assert {on for twin, on in attached_during if twin} == {True}
+    assert out["block"] == 4 and out["rounds"] >= 1
+    assert out["idle_steps"] + out["capture_steps"] + out["emit_steps"] == out["rounds"]
+    # the window ends at an emission: the probe's totals then, the steps up to it
+    assert out["emissions"] >= 1 and out["emit_steps"] == out["emissions"]
+    assert probe._budget.paused_steps >= 1  # a twin block between two probed steps was set aside
+    assert out["paused_steps"] >= 0 and out["paused_s"] >= 0
 
 
 def test_per_kind_splits_rounds_by_what_the_probed_step_did():

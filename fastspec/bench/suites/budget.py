@@ -1,8 +1,12 @@
 """``budget`` suite: is the overhead the probe reports what it really costs, and does its budget hold?
 
-One case per budget (:data:`BUDGETS`, 2% and 5%): a Llama-shaped model in a plain training loop
+Two cases per budget (:data:`BUDGETS`, 2% and 5%): a Llama-shaped model in a plain training loop
 (forward, backward, AdamW) with ``Probe(model, keys=True, ffn=True, budget=B, emit_every=10)``,
-against two probe-free baselines timed in the same run:
+against two probe-free baselines timed in the same run, once with the steps interleaved one by
+one and the probe detached between its own (the variant ``budget=B-emit_every=10``), once in
+blocks of :data:`TWIN_BLOCK` steps with the probe left attached while the twin trains
+(``...-attached-blocks=15``: the twin's block is a pause the probe is not told about, which its
+pause rule must set aside, ``fastspec/probe/budget.py``). The baselines:
 
 * the **twin**: a deep copy of the model with its own AdamW, trained on the same batch;
 * the **same model** with the probe detached (no hook, no ``probe.step``): the same tensors at the
@@ -35,7 +39,10 @@ Row fields (besides the runner's, whose times are the short interleaved medians 
   to ``real_overhead_pct``; ``budget_measured_pct`` and ``budget_average_pct``: ``overhead()``'s
   ``"measured"`` (since the probe started: the warm-up included) and ``"average"`` at the end;
 * ``budget_pct``, ``real_to_budget``; ``budget_every``, ``budget_emit_every``, ``ffn_row_step``:
-  the intervals the budget chose; ``rounds``, ``emissions`` in the window;
+  the intervals the budget chose; ``rounds`` (steps of each kind), ``emissions`` in the window;
+  ``block`` (1: interleaved); ``paused_steps``, ``paused_s``: the steps the pause rule counted at
+  a typical duration in the window, and the seconds it set aside (in the attached-blocks row, one
+  per twin block that came between two probed steps);
 * where it goes (:func:`_per_kind`): for the probed steps that were idle, captured or emitted,
   ``{idle,capture,emit}_steps`` (how many), ``_excess_ms`` (the mean excess over the same
   model's step of the same round) and, on CPU, ``{capture,emit}_reported_ms`` (the mean work
@@ -52,6 +59,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import time
 
 import torch
@@ -62,6 +70,9 @@ from ..timing import time_once
 
 BUDGETS = (0.02, 0.05)
 EMIT_EVERY = 10
+TWIN_BLOCK = 15
+"""The attached-blocks row: steps of each kind in blocks of this many, the probe left attached while
+the twin trains (a pause it is not told about: ``fastspec/probe/budget.py``'s pause rule)."""
 SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
              head_dim=64, intermediate_size=768, vocab_size=512)
 SHAPES = {"quick": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
@@ -80,7 +91,8 @@ step right after one of the same model finds its weights in cache; after the twi
 
 
 def budget_cases(tier: str, device: torch.device) -> list[Case]:
-    return [_budget_case(tier, device, b) for b in BUDGETS]
+    return ([_budget_case(tier, device, b) for b in BUDGETS]
+            + [_budget_case(tier, device, b, block=TWIN_BLOCK) for b in BUDGETS])
 
 
 def _train(model, opt, ids: torch.Tensor) -> None:
@@ -90,11 +102,18 @@ def _train(model, opt, ids: torch.Tensor) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def paired_run(inp: Inputs, device: torch.device, warmup_rounds: int, window_s: float) -> dict:
-    """The interleaved run of the module docstring; returns the row fields it defines."""
+def paired_run(inp: Inputs, device: torch.device, warmup_rounds: int, window_s: float, block: int = 1) -> dict:
+    """The interleaved run of the module docstring; returns the row fields it defines.
+
+    ``block > 1``: the attached-blocks layout. A round runs ``block`` steps of each kind in turn,
+    and the probe stays attached but for the same model's block: the twin's block is a pause
+    between two ``probe.step`` calls that the probe is not told about. Steps of the three kinds
+    are paired by their place in their block; the warm-up is ``warmup_rounds`` steps of each kind
+    (whole blocks), and the window ends at the last probed step that emitted."""
     probe, model, twin, ids = inp["probe"], inp["model"], inp["twin"], inp["ids"]
     step = inp["step"]
     state: dict = {}
+    attached = block > 1  # the probe stays on: only the same model's steps detach it
 
     def probed() -> None:
         probe.step(step[0])
@@ -103,32 +122,60 @@ def paired_run(inp: Inputs, device: torch.device, warmup_rounds: int, window_s: 
         step[0] += 1
 
     def probed_step() -> float:
-        probe.attach()  # outside the timed part: a pause for the probe's step clock, too
+        if not attached:
+            probe.attach()  # outside the timed part: a pause for the probe's step clock, too
         state["captured"], before = probe.capturing, probe.overhead()["work_s"]
         try:
             return time_once(lambda: (_train(model, inp["opt"], ids), probed()), device)
         finally:
-            probe.detach()
+            if not attached:
+                probe.detach()
             state["work"] = probe.overhead()["work_s"] - before
+            if state.get("emitted"):  # the totals a window ending here reports (untimed)
+                state["at_emit"] = probe.overhead()
+
+    def same_model_step() -> float:
+        return time_once(lambda: _train(model, inp["opt"], ids), device)
+
+    def blocks(kind: str) -> list[dict]:
+        """``block`` steps of ``kind``: each one's seconds (and, probed, what it did)."""
+        if kind == "same model" and attached:
+            probe.detach()  # a pause it is told about: the probe must not capture these
+        try:
+            return [{kind: timed[kind](), **(state if kind == "probed" else {})} for _ in range(block)]
+        finally:
+            if kind == "same model" and attached:
+                probe.attach()
 
     timed = {"twin": lambda: time_once(lambda: _train(twin, inp["twin_opt"], ids), device),
-             "same model": lambda: time_once(lambda: _train(model, inp["opt"], ids), device),
-             "probed": probed_step}
-    rounds: list[dict] = []  # the window's: each kind's seconds, and what the probed step did
+             "same model": same_model_step, "probed": probed_step}
+    rounds: list[dict] = []  # the window's, one per place in a block: each kind's seconds, what the probed step did
     start = deadline = None
-    for r in itertools.count():
-        if r == warmup_rounds:  # the window starts: what came before is not counted
-            start, deadline = probe.overhead(), time.monotonic() + window_s
-        times = {kind: timed[kind]() for kind in ORDERS[r % len(ORDERS)]}
-        if start is None:
-            continue
-        rounds.append({**times, **state})
-        now = time.monotonic()
-        # whole emission periods: once the time is up, stop at an emission (at the latest after
-        # as long again, e.g. when the budget has spaced emissions out beyond the window)
-        if now > deadline and (state["emitted"] or now > deadline + window_s):
-            break
-    end = probe.overhead()
+    warmup = math.ceil(warmup_rounds / block)
+    if attached:
+        probe.attach()
+    try:
+        for r in itertools.count():
+            if r == warmup:  # the window starts: what came before is not counted
+                start, deadline = probe.overhead(), time.monotonic() + window_s
+                state.pop("at_emit", None)
+            steps = {kind: blocks(kind) for kind in ORDERS[r % len(ORDERS)]}
+            if start is None:
+                continue
+            rows = [{k: v for kind in KINDS for k, v in steps[kind][i].items() if k != "at_emit"} for i in range(block)]
+            emits = [i for i, row in enumerate(rows) if row["emitted"]]
+            now = time.monotonic()
+            # whole emission periods: once the time is up, stop at an emission (at the latest after
+            # as long again, e.g. when the budget has spaced emissions out beyond the window)
+            if now > deadline and (emits or now > deadline + window_s):
+                # the probe's totals as of its last emission, and the steps up to it
+                rounds.extend(rows[:emits[-1] + 1] if emits else rows)
+                end = state["at_emit"] if emits else probe.overhead()
+                break
+            rounds.extend(rows)
+    finally:
+        if attached:
+            probe.detach()
     totals = {kind: sum(r[kind] for r in rounds) for kind in KINDS}
     work, base = end["work_s"] - start["work_s"], end["base_s"] - start["base_s"]
     real = 100 * (totals["probed"] / totals["twin"] - 1)
@@ -147,7 +194,8 @@ def paired_run(inp: Inputs, device: torch.device, warmup_rounds: int, window_s: 
             "budget_measured_pct": pct(end["measured"]), "budget_average_pct": pct(end["average"]),
             "budget_pct": budget, "real_to_budget": real / budget,
             "budget_every": end["every"], "budget_emit_every": end["emit_every"],
-            "ffn_row_step": end["ffn_row_step"], "rounds": len(rounds),
+            "ffn_row_step": end["ffn_row_step"], "rounds": len(rounds), "block": block,
+            "paused_steps": end["paused_steps"] - start["paused_steps"], "paused_s": end["paused_s"] - start["paused_s"],
             "emissions": sum(r["emitted"] for r in rounds),
             **_per_kind(rounds, per_step_work=device.type != "cuda")}
 
@@ -169,7 +217,7 @@ def _per_kind(rounds: list[dict], per_step_work: bool) -> dict:
     return out
 
 
-def _budget_case(tier: str, device: torch.device, budget: float) -> Case:
+def _budget_case(tier: str, device: torch.device, budget: float, block: int = 1) -> Case:
     shape, tokens = SHAPES[tier], TOKENS[tier]
 
     def setup() -> Inputs:
@@ -194,16 +242,17 @@ def _budget_case(tier: str, device: torch.device, budget: float) -> Case:
 
     def check(inp: Inputs) -> dict:
         model, ids = inp["model"], inp["ids"]
-        with torch.no_grad():
-            base = model(input_ids=ids, labels=ids).loss
-            with inp["probe"].streaming():
-                probed_loss = model(input_ids=ids, labels=ids).loss
-        fields = paired_run(inp, device, WARMUP_ROUNDS[tier], WINDOW_S[tier])
+        # training forwards (gradients on): what streaming captures; no backward, the weights stay
+        base = model(input_ids=ids, labels=ids).loss.detach()
+        with inp["probe"].streaming():
+            probed_loss = model(input_ids=ids, labels=ids).loss.detach()
+        fields = paired_run(inp, device, WARMUP_ROUNDS[tier], WINDOW_S[tier], block=block)
         return {"fastspec_error": float((probed_loss.double() - base.double()).abs()),
                 "baseline_error": None, **fields}
 
     return Case(suite="budget", size="train_step-" + models.size_id("cpu", shape, tokens),
-                variant=f"budget={budget:g}-emit_every={EMIT_EVERY}", setup=setup, fastspec=probed,
+                variant=f"budget={budget:g}-emit_every={EMIT_EVERY}" + (f"-attached-blocks={block}" if block > 1 else ""),
+                setup=setup, fastspec=probed,
                 baselines={"twin training step (deep copy, own AdamW)": twin}, check=check,
                 error_kind="|Δloss| with probe", claim=exactly_zero(), skip=models.requirements(),
                 fastspec_context=lambda inp: inp["probe"].streaming())
