@@ -23,8 +23,8 @@ def test_budget_suite_has_one_case_per_budget_on_the_issue_model():
     assert "budget" in SUITES and SUITES[-1] == "train_step_compiled"
     for tier in ("quick", "cpu", "gpu"):
         got = [(c.suite, c.variant, list(c.baselines), c.claim.text) for c in cases("budget", tier, CPU)]
-        assert got == [("budget", f"budget={b:g}-emit_every=10{layout}", ["twin training step (deep copy, own AdamW)"],
-                        "= 0") for layout in ("", "-attached-blocks=15") for b in (0.02, 0.05)]
+        assert got == [("budget", f"budget={b:g}-{layout}", ["twin training step (deep copy, own AdamW)"],
+                        "= 0") for layout in ("emit_every=10", "attached") for b in (0.02, 0.05)]
     # the CPU row is the setting the under-report was found on, and a GPU runs the same row
     assert budget_suite.SHAPES["cpu"] == budget_suite.SHAPES["gpu"] == dict(
         hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, head_dim=64,

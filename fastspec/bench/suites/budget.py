@@ -5,7 +5,7 @@ Two cases per budget (:data:`BUDGETS`, 2% and 5%): a Llama-shaped model in a pla
 against two probe-free baselines timed in the same run, once with the steps interleaved one by
 one and the probe detached between its own (the variant ``budget=B-emit_every=10``), once in
 blocks of :data:`TWIN_BLOCK` steps with the probe left attached while the twin trains
-(``...-attached-blocks=15``: the twin's block is a pause the probe is not told about, which its
+(``budget=B-attached``, also ``emit_every=10``: the twin's block is a pause the probe is not told about, which its
 pause rule must set aside, ``fastspec/probe/budget.py``). The baselines:
 
 * the **twin**: a deep copy of the model with its own AdamW, trained on the same batch;
@@ -251,7 +251,8 @@ def _budget_case(tier: str, device: torch.device, budget: float, block: int = 1)
                 "baseline_error": None, **fields}
 
     return Case(suite="budget", size="train_step-" + models.size_id("cpu", shape, tokens),
-                variant=f"budget={budget:g}-emit_every={EMIT_EVERY}" + (f"-attached-blocks={block}" if block > 1 else ""),
+                # the attached rows' name stays short: the terminal's tables are at most 140 columns
+                variant=f"budget={budget:g}-attached" if block > 1 else f"budget={budget:g}-emit_every={EMIT_EVERY}",
                 setup=setup, fastspec=probed,
                 baselines={"twin training step (deep copy, own AdamW)": twin}, check=check,
                 error_kind="|Δloss| with probe", claim=exactly_zero(), skip=models.requirements(),
