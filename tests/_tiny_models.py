@@ -115,6 +115,15 @@ BUILDERS = {"llama": llama, "qwen3": qwen3, "gpt2": gpt2, "bert": bert, "gpt_neo
             "phi3": phi3, "phi": phi, "olmo": olmo, "olmo2": olmo2, "olmo3": olmo3}
 
 
+def demo_model():
+    """The demo's smallest model (QK-norm Llama, 2 layers, d_model 32, vocab 64, sequences of 16):
+    what the trainer-callback tests train (it builds no config of its own)."""
+    from fastspec.demo import ModelSize, build_model
+
+    return build_model("qk_norm", ModelSize(d_model=32, layers=2, heads=2, kv_heads=1, d_ff=64, seq_len=16),
+                       vocab_size=64, seed=0)
+
+
 def build(name: str, **kw):
     torch.manual_seed(0)
     return BUILDERS[name](**kw).eval()

@@ -197,11 +197,10 @@ def test_wandb_alerts_are_counted_and_sent(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------ training-loop callbacks
 def _tiny_model():
-    pytest.importorskip("transformers")
-    from fastspec.demo import ModelSize, build_model
+    # imported here: _tiny_models skips without transformers, which this module's other tests need not
+    from _tiny_models import demo_model
 
-    return build_model("qk_norm", ModelSize(d_model=32, layers=2, heads=2, kv_heads=1, d_ff=64, seq_len=16),
-                       vocab_size=64, seed=0)
+    return demo_model()
 
 
 def _expect_probe_keys(values: dict):

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from _tiny_models import batch, build
+from _tiny_models import batch, build, demo_model
 
 import fastspec
 
@@ -158,13 +158,6 @@ def test_compiled_evaluation_forwards_are_not_captured_and_never_recompile(_fres
     assert _n(plain) == {32.0}  # two training steps of 2 x 8 tokens per emission
 
 
-def _tiny_model():
-    from fastspec.demo import ModelSize, build_model
-
-    return build_model("qk_norm", ModelSize(d_model=32, layers=2, heads=2, kv_heads=1, d_ff=64, seq_len=16),
-                       vocab_size=64, seed=0).train()
-
-
 def _hf_trainer_run(tmp_path, evaluate: bool) -> dict:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -181,7 +174,7 @@ def _hf_trainer_run(tmp_path, evaluate: bool) -> dict:
         def on_train_end(self, args, state, control, **kwargs):
             self.probe.detach()
 
-    model = _tiny_model()
+    model = demo_model().train()
     g = torch.Generator().manual_seed(0)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (8, 16), generator=g)]
     held_out = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (4, 16), generator=g)]
@@ -212,7 +205,7 @@ def _lightning_run(tmp_path, validate: bool) -> dict:
     class LM(pl.LightningModule):
         def __init__(self):
             super().__init__()
-            self.model = _tiny_model()
+            self.model = demo_model().train()
 
         def training_step(self, batch, batch_idx):
             return self.model(input_ids=batch, labels=batch).loss

@@ -11,6 +11,7 @@ DEFAULTS = dict(tokens=32768, seq_len=1024, batch_size=4, seed=0)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..checkpoints.text import TEXT_FORMATS  # no torch there: --help stays light
     p.add_argument("models", nargs="+", metavar="MODEL",
                    help="a Hugging Face model folder, a .gguf file, or a folder of checkpoints "
                         "(checkpoint-*, step*, global_step*, or sub-folders holding a config), ordered by step")
@@ -21,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a text file (any UTF-8 file; .jsonl: JSON lines) or a folder of .txt/.jsonl files "
                         "(default: the built-in corpus, offline)")
     p.add_argument("--text-field", default="text", help="the field of each .jsonl line holding its text (default text)")
-    p.add_argument("--text-format", default="auto", choices=("auto", "plain", "jsonl"),
+    p.add_argument("--text-format", default="auto", choices=TEXT_FORMATS,
                    help="how --text's files are read: auto (.jsonl files as JSON lines, others as plain text), "
                         "plain or jsonl (every file so, whatever its name) (default auto)")
     p.add_argument("--tokens", type=int, default=DEFAULTS["tokens"],

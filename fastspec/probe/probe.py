@@ -231,7 +231,6 @@ class Probe:
         self._timer = WorkTimer(clock)
         self._totals = Collector(self.settings)  # the streaming totals (all captures between emissions)
         scope = ForwardScope(self.model)
-        self.forwards = forwards
         self._router = Router(self._totals, scope, self._timer, self.row_step,
                               cuda_graphs=_args.flag("cuda_graphs", cuda_graphs), all_forwards=forwards == "all")
         self._hooks = Hooks(self.model, self.sites, self.family, self._router.capture, self._router.slot, scope,
@@ -242,8 +241,8 @@ class Probe:
         self._history = History()
         self._steps_seen = 0
         self._clock = StepClock(self._timer.clock)  # each step's seconds, pauses while detached left out
-        # an eager forward that does not train is not step time while only training ones stream
-        scope.on_other = self._other_forward
+        if forwards == "train":  # an eager forward that does not train is then not step time either
+            scope.on_other = self._other_forward
         self._flush_allowed = False        # one step() after detach() is a final one, not a mistake
         self._warned_step = False
         self._warned_sites: set[str] = set()  # sites a streaming emission warned about (once each)
@@ -252,8 +251,9 @@ class Probe:
         self._tensor_is_input_ids = positional_index(self.model.forward, "input_ids") == 0
 
     def _other_forward(self, starts: bool) -> None:
-        """``ForwardScope.on_other``: a forward that does not train starts or ends (eager only)."""
-        if self._router.streaming and not self._router.all_forwards:
+        """``ForwardScope.on_other`` (``forwards="train"``): a forward that does not train starts or
+        ends (eager only); while streaming its span is left out of the step."""
+        if self._router.streaming:
             self._clock.other_forward(starts)
 
     # ------------------------------------------------------------- eval protocol
@@ -564,6 +564,8 @@ class Probe:
     # read-only views of the settings, under the attribute names they had before settings existed
     precision = property(lambda self: self.settings.precision, doc="Products' precision (``settings.precision``).")
     backend = property(lambda self: self.settings.backend, doc="Covariance update backend (``settings.backend``).")
+    forwards = property(lambda self: "all" if self._router.all_forwards else "train",
+                        doc="Which forwards streaming captures (the ``forwards`` argument, kept by the router).")
 
     @property
     def capturing(self) -> bool:

@@ -113,6 +113,7 @@ def paired_run(inp: Inputs, device: torch.device, warmup_rounds: int, window_s: 
     probe, model, twin, ids = inp["probe"], inp["model"], inp["twin"], inp["ids"]
     step = inp["step"]
     state: dict = {}
+    at_emit: dict = {}  # the probe's totals right after the last probed step that emitted
     attached = block > 1  # the probe stays on: only the same model's steps detach it
 
     def probed() -> None:
@@ -132,10 +133,7 @@ def paired_run(inp: Inputs, device: torch.device, warmup_rounds: int, window_s: 
                 probe.detach()
             state["work"] = probe.overhead()["work_s"] - before
             if state.get("emitted"):  # the totals a window ending here reports (untimed)
-                state["at_emit"] = probe.overhead()
-
-    def same_model_step() -> float:
-        return time_once(lambda: _train(model, inp["opt"], ids), device)
+                at_emit["totals"] = probe.overhead()
 
     def blocks(kind: str) -> list[dict]:
         """``block`` steps of ``kind``: each one's seconds (and, probed, what it did)."""
@@ -148,7 +146,8 @@ def paired_run(inp: Inputs, device: torch.device, warmup_rounds: int, window_s: 
                 probe.attach()
 
     timed = {"twin": lambda: time_once(lambda: _train(twin, inp["twin_opt"], ids), device),
-             "same model": same_model_step, "probed": probed_step}
+             "same model": lambda: time_once(lambda: _train(model, inp["opt"], ids), device),
+             "probed": probed_step}
     rounds: list[dict] = []  # the window's, one per place in a block: each kind's seconds, what the probed step did
     start = deadline = None
     warmup = math.ceil(warmup_rounds / block)
@@ -158,11 +157,10 @@ def paired_run(inp: Inputs, device: torch.device, warmup_rounds: int, window_s: 
         for r in itertools.count():
             if r == warmup:  # the window starts: what came before is not counted
                 start, deadline = probe.overhead(), time.monotonic() + window_s
-                state.pop("at_emit", None)
             steps = {kind: blocks(kind) for kind in ORDERS[r % len(ORDERS)]}
             if start is None:
                 continue
-            rows = [{k: v for kind in KINDS for k, v in steps[kind][i].items() if k != "at_emit"} for i in range(block)]
+            rows = [{k: v for kind in KINDS for k, v in steps[kind][i].items()} for i in range(block)]
             emits = [i for i, row in enumerate(rows) if row["emitted"]]
             now = time.monotonic()
             # whole emission periods: once the time is up, stop at an emission (at the latest after
@@ -170,7 +168,7 @@ def paired_run(inp: Inputs, device: torch.device, warmup_rounds: int, window_s: 
             if now > deadline and (emits or now > deadline + window_s):
                 # the probe's totals as of its last emission, and the steps up to it
                 rounds.extend(rows[:emits[-1] + 1] if emits else rows)
-                end = state["at_emit"] if emits else probe.overhead()
+                end = at_emit["totals"] if emits else probe.overhead()
                 break
             rounds.extend(rows)
     finally:
