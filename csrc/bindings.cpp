@@ -33,9 +33,9 @@ void host_entry(uintptr_t in, uintptr_t out, int64_t batch, int n, int64_t sb, i
 }
 
 template <class Real, std::vector<int> (*F)(const Real*, Real*, int64_t, int, int64_t, int64_t, int64_t, int64_t, int,
-                                            int, int64_t)>
+                                            int, int64_t, int)>
 std::vector<int> team_entry(uintptr_t in, uintptr_t out, int64_t batch, int n, int64_t sb, int64_t sr, int64_t sc,
-                            int64_t osb, int algo, int schedule, int64_t drop) {
+                            int64_t osb, int algo, int schedule, int64_t drop, bool phases) {
   check_problem(in, out, batch, n);
   if (algo < 0 || algo >= fastspec::kAlgoCount)
     throw std::invalid_argument("algo: must be in [0, " + std::to_string(fastspec::kAlgoCount) + "), got " +
@@ -46,7 +46,7 @@ std::vector<int> team_entry(uintptr_t in, uintptr_t out, int64_t batch, int n, i
   if (schedule < 0 || schedule > 2) throw std::invalid_argument("schedule: must be 0, 1 or 2");
   py::gil_scoped_release release;
   return F(reinterpret_cast<const Real*>(in), reinterpret_cast<Real*>(out), batch, n, sb, sr, sc, osb, algo, schedule,
-           drop);
+           drop, phases ? fastspec::kRecordPhases : fastspec::kRecordSites);
 }
 
 }  // namespace
@@ -65,20 +65,26 @@ PYBIND11_MODULE(_host, m) {
   m.def("host_eigvalsh_f64", &host_entry<double, fastspec::host_eigvalsh_f64>, host_doc);
   const char* team_doc =
       "(in_ptr, out_ptr, batch, n, stride_batch, stride_row, stride_col, out_stride_batch, algo=0, schedule=0, "
-      "drop=-1) -> [line of each barrier]: tests only; algorithm `algo` of the CUDA kernel run by host threads (its "
+      "drop=-1, phases=False) -> [line of each barrier], or with phases=True [every FS_PHASE mark of rank 0, "
+      "barriers included: the sequence the kernel's profiling build stamps]: tests only; algorithm `algo` of the CUDA kernel run by host threads (its "
       "team size, barriers, reduction order and shared-memory layout). schedule 0: threads run freely; 1/2: one at "
       "a time in rank order / reverse rank order (deterministic). drop: the barrier (index in the returned list) "
       "every thread leaves out. Slow.";
   m.def("team_eigvalsh_f32", &team_entry<float, fastspec::team_eigvalsh_f32>, team_doc, py::arg("in_ptr"),
         py::arg("out_ptr"), py::arg("batch"), py::arg("n"), py::arg("stride_batch"), py::arg("stride_row"),
         py::arg("stride_col"), py::arg("out_stride_batch"), py::arg("algo") = 0, py::arg("schedule") = 0,
-        py::arg("drop") = -1);
+        py::arg("drop") = -1, py::arg("phases") = false);
   m.def("team_eigvalsh_f64", &team_entry<double, fastspec::team_eigvalsh_f64>, team_doc, py::arg("in_ptr"),
         py::arg("out_ptr"), py::arg("batch"), py::arg("n"), py::arg("stride_batch"), py::arg("stride_row"),
         py::arg("stride_col"), py::arg("out_stride_batch"), py::arg("algo") = 0, py::arg("schedule") = 0,
-        py::arg("drop") = -1);
+        py::arg("drop") = -1, py::arg("phases") = false);
   m.attr("ALGOS") = py::dict(py::arg("block") = int(fastspec::kAlgoBlock), py::arg("packed") = int(fastspec::kAlgoPacked),
                              py::arg("regs") = int(fastspec::kAlgoRegs), py::arg("split") = int(fastspec::kAlgoSplit));
+  m.attr("PHASES") = py::dict(py::arg("load") = int(fastspec::kPhaseLoad), py::arg("reflector") = int(fastspec::kPhaseReflector),
+                              py::arg("update") = int(fastspec::kPhaseUpdate), py::arg("product") = int(fastspec::kPhaseProduct),
+                              py::arg("barrier") = int(fastspec::kPhaseBarrier), py::arg("isolate") = int(fastspec::kPhaseIsolate),
+                              py::arg("refine") = int(fastspec::kPhaseRefine), py::arg("sort") = int(fastspec::kPhaseSort),
+                              py::arg("end") = int(fastspec::kPhaseEnd));
   m.def("algo_threads", [](int algo, int n) { return fastspec::algo_threads(algo, n); }, py::arg("algo"), py::arg("n"),
         "team (CUDA block) size of algorithm `algo` for n x n matrices (eig_algos.h)");
   m.def("algo_smem_elems", [](int algo, int n) { return fastspec::algo_smem_elems(algo, n); }, py::arg("algo"),

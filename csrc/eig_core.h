@@ -69,6 +69,26 @@ typedef long long int64_t;
 #undef FS_SITE_BASE
 #define FS_SITE_BASE 10000
 
+// Phase marks, for the profiling build and the team emulation. FS_PHASE(team, p): from here on, this
+// member's time counts toward phase p. In the profiling build of the kernel (eig_kernel.cu, FS_PROFILE
+// 1) member 0 of each block stamps clock64() with the phase id into a global buffer at every mark,
+// and every barrier (FS_SYNC or a reduction's) counts as kPhaseBarrier, then resumes the phase it
+// interrupted; the normal build compiles the marks to nothing. The team emulation (eig_host.cpp)
+// records the same sequence of ids on rank 0, so CPU CI checks where the marks are. The ids are
+// fastspec/eig/profile.py's PHASES (tests check them equal); what each phase holds:
+//   load       read the lower triangle, max |a|, finiteness, the exact 2^-e scaling
+//   reflector  per reflector: the reductions' arithmetic, the column the reflector is built from,
+//              beta, tau, u and w (everything of a reflector but the trailing pass and the barriers)
+//   update     the trailing pass: the rank-2 update, fused with the next reflector's product A u
+//   product    a product pass of its own (eig_packed.h's row pass, eig_regs.h's column publication)
+//   barrier    waiting at a barrier (member 0's view: the wait for the slowest warp)
+//   isolate    the eigenvalue stage's set-up: T's (e^2, d) pairs, the Gerschgorin interval, the
+//              team-wide count at the grid points
+//   refine     per eigenvalue: from its grid cell to its final width (bisection or faster)
+//   sort       ascending order, scaling back, the output's store
+//   end        after the last store (the mark that closes the previous phase)
+#define FS_PHASE(team, p) (team).phase(::fastspec::p)
+
 #if defined(__CUDACC__)
 #define FS_HD __host__ __device__ __forceinline__
 #define FS_PRAGMA(x) _Pragma(#x)  // loop pragmas for nvcc only (the host compiler's vectorizer decides)
@@ -78,6 +98,11 @@ typedef long long int64_t;
 #endif
 
 namespace fastspec {
+
+enum Phase : int {
+  kPhaseLoad = 0, kPhaseReflector = 1, kPhaseUpdate = 2, kPhaseProduct = 3, kPhaseBarrier = 4,
+  kPhaseIsolate = 5, kPhaseRefine = 6, kPhaseSort = 7, kPhaseEnd = 8, kPhaseCount = 9
+};
 
 // Real-type traits: machine constants and overloads that resolve the same on host and device.
 template <class Real> struct Num;
@@ -138,6 +163,7 @@ struct HostTeam {
   int rank() const { return 0; }
   int size() const { return 1; }
   void sync(int = 0) const {}
+  void phase(int) const {}
   template <class Real> Real sum(Real x) const { return x; }
   template <class Real> Real max(Real x) const { return x; }
 };
@@ -416,11 +442,13 @@ FS_HD void tridiagonalize(const Team& team, int n, Work<Real> wk) {
   FS_SYNC(team);
   Real tau = 0;
   for (int j = 0; j + 2 < n; ++j) {
+    FS_PHASE(team, kPhaseReflector);
     if (j > 0) finish_w(team, j, n, tau, u, w);  // reflector j-1's w, rows >= j
     update_column(team, j, n, wk, u, w);
     FS_SYNC(team);
     const Real tau2 = make_reflector(team, j, n, wk, u2);
     FS_SYNC(team);
+    FS_PHASE(team, kPhaseUpdate);
     if (wk.rs == kPaddedRows128)  // uniform; the aimed-for size gets constant row offsets
       update_trailing<true, kPaddedRows128>(team, j + 1, j & ~3, n, wk, u, w, u2, tau2, p2);
     else
@@ -431,6 +459,7 @@ FS_HD void tridiagonalize(const Team& team, int n, Work<Real> wk) {
     tau = tau2;
   }
   // the last reflector (n-3) still has to reach the trailing 2 x 2 block
+  FS_PHASE(team, kPhaseReflector);
   const int last = n >= 2 ? n - 2 : 0;
   if (n >= 3) finish_w(team, last, n, tau, u, w);
   update_trailing<false>(team, last, last & ~3, n, wk, u, w, u2, Real(0), p2);
@@ -557,6 +586,7 @@ FS_HD void bisect_all(const Team& team, int n, Work<Real> wk) {
   Real* te = wk.v;
   Real* counts = wk.p2;  // counts at the interior grid points, as Reals (exact: n < 2^24)
   Real* lam = wk.v2;
+  FS_PHASE(team, kPhaseIsolate);
   sturm_pairs(team, wk.d, wk.e, n, te);
   const Bracket<Real> br = gerschgorin(wk.d, wk.e, n);
   FS_SYNC(team);  // te complete
@@ -564,10 +594,12 @@ FS_HD void bisect_all(const Team& team, int n, Work<Real> wk) {
   for (int g = 1 + team.rank(); g < kGrid; g += team.size())
     counts[g] = Real(sturm_count(te, n, grid_point(br.lo, br.hi, g), br.pivmin));
   FS_SYNC(team);
+  FS_PHASE(team, kPhaseRefine);
   for (int k = team.rank(); k < n; k += team.size())  // k-th smallest eigenvalue
     lam[k] = bisect_from_grid(k, counts, br.lo, br.hi, br.tol,
                               [&](Real x) { return sturm_count(te, n, x, br.pivmin); });
   FS_SYNC(team);
+  FS_PHASE(team, kPhaseSort);
   // counts are monotone in exact arithmetic; rounding may still swap neighbours: rank sort
   // (position of lam[k] = #smaller + #equal before k), O(n) broadcast reads per member
   for (int k = team.rank(); k < n; k += team.size()) {
@@ -583,11 +615,13 @@ FS_HD void bisect_all(const Team& team, int n, Work<Real> wk) {
 template <class Team, class Real>
 FS_HD void eigvalsh_one(const Team& team, const Real* in, int64_t sr, int64_t sc, int n, Real* out,
                         Work<Real> wk) {
+  FS_PHASE(team, kPhaseLoad);
   const Real amax = load_lower(team, in, sr, sc, n, wk);
   if (!(amax <= Num<Real>::huge()) || amax == 0) {  // uniform branch: amax is team-wide
     const Real fill = amax == 0 ? Real(0) : Num<Real>::nan_();
     for (int i = team.rank(); i < n; i += team.size()) out[i] = fill;
     FS_SYNC(team);  // wk is reused by the next matrix of this team
+    FS_PHASE(team, kPhaseEnd);
     return;
   }
   int ex = 0;
@@ -599,6 +633,7 @@ FS_HD void eigvalsh_one(const Team& team, const Real* in, int64_t sr, int64_t sc
   bisect_all(team, n, wk);
   for (int i = team.rank(); i < n; i += team.size()) out[i] = Num<Real>::ldexp_(wk.d[i], ex);
   FS_SYNC(team);  // unseen: redundant, the next matrix writes d only after several barriers
+  FS_PHASE(team, kPhaseEnd);
 }
 
 // --- the algorithm interface ------------------------------------------------------------------

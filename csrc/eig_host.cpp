@@ -111,22 +111,36 @@ struct ThreadTeam {
   void* scratch;  // 2 halves of kMaxLanes reals: every lane's value (a warp shuffle reads them)
   int64_t drop;  // index of the FS_SYNC barrier to leave out, -1 for none
   std::vector<int>* sites;  // rank 0: the source line of every FS_SYNC barrier, in order
+  std::vector<int>* phases;  // rank 0: every FS_PHASE mark, barriers included, as the profiling build makes them
   mutable unsigned parity;
   mutable int64_t calls;
+  mutable int current;  // the phase a barrier resumes
   static constexpr int kMaxLanes = kMaxThreads;  // the CUDA block's cap
 
   int rank() const { return me; }
   int size() const { return nt; }
+  // eig_kernel.cu's BlockTeam::phase and ::barrier: a barrier is a mark of its own, then the
+  // interrupted phase again
+  void phase(int p) const {
+    if (me == 0 && phases) phases->push_back(p);
+    current = p;
+  }
+  void barrier() const {
+    const int resume = current;
+    phase(kPhaseBarrier);
+    sched->wait(me);
+    phase(resume);
+  }
   void sync(int line = 0) const {
     if (me == 0 && sites) sites->push_back(line);
     if (calls++ == drop) return;
-    sched->wait(me);
+    barrier();
   }
 
   template <class Real, class Op> Real reduce(Real x, Op op) const {
     Real* s = static_cast<Real*>(scratch) + (parity++ & 1u) * kMaxLanes;
     s[me] = x;
-    sched->wait(me);
+    barrier();
     // what __shfl_xor_sync butterflies give every lane, then the warp totals folded in order
     Real t = 0;
     for (int w = 0; w < nt / 32; ++w) {
@@ -151,18 +165,19 @@ struct ThreadTeam {
 
 template <class Real>
 std::vector<int> team_eigvalsh(const Real* in, Real* out, int64_t batch, int n, int64_t sb, int64_t sr, int64_t sc,
-                               int64_t osb, int algo, int schedule, int64_t drop) {
+                               int64_t osb, int algo, int schedule, int64_t drop, int record) {
   const int nt = algo_threads(algo, n);
   // the kernel's shared-memory layout of this algorithm; poisoned with NaN, as uninitialized
   // shared memory may hold anything: a read before the first write shows in the results
   std::vector<Real> sm(static_cast<size_t>(algo_smem_elems(algo, n)), Num<Real>::nan_());
   std::vector<Real> scratch(2 * ThreadTeam::kMaxLanes, Num<Real>::nan_());
-  std::vector<int> sites;
+  std::vector<int> sites, phases;
   Scheduler sched(nt, schedule);
   std::vector<std::thread> threads;
   for (int me = 0; me < nt; ++me) {
     threads.emplace_back([&, me] {
-      const ThreadTeam team{me, nt, &sched, scratch.data(), drop, me == 0 ? &sites : nullptr, 0u, 0};
+      const ThreadTeam team{me,      nt, &sched, scratch.data(), drop, me == 0 ? &sites : nullptr,
+                            me == 0 ? &phases : nullptr, 0u, 0, kPhaseLoad};
       sched.start(me);
       for (int64_t b = 0; b < batch; ++b)
         algo_eigvalsh_one(algo, team, in + b * sb, sr, sc, n, out + b * osb, sm.data());
@@ -170,7 +185,7 @@ std::vector<int> team_eigvalsh(const Real* in, Real* out, int64_t batch, int n, 
     });
   }
   for (auto& t : threads) t.join();
-  return sites;
+  return record == kRecordPhases ? phases : sites;
 }
 
 }  // namespace
@@ -186,13 +201,13 @@ void host_eigvalsh_f64(const double* in, double* out, int64_t batch, int n, int6
 }
 
 std::vector<int> team_eigvalsh_f32(const float* in, float* out, int64_t batch, int n, int64_t sb, int64_t sr,
-                                   int64_t sc, int64_t osb, int algo, int schedule, int64_t drop) {
-  return team_eigvalsh(in, out, batch, n, sb, sr, sc, osb, algo, schedule, drop);
+                                   int64_t sc, int64_t osb, int algo, int schedule, int64_t drop, int record) {
+  return team_eigvalsh(in, out, batch, n, sb, sr, sc, osb, algo, schedule, drop, record);
 }
 
 std::vector<int> team_eigvalsh_f64(const double* in, double* out, int64_t batch, int n, int64_t sb, int64_t sr,
-                                   int64_t sc, int64_t osb, int algo, int schedule, int64_t drop) {
-  return team_eigvalsh(in, out, batch, n, sb, sr, sc, osb, algo, schedule, drop);
+                                   int64_t sc, int64_t osb, int algo, int schedule, int64_t drop, int record) {
+  return team_eigvalsh(in, out, batch, n, sb, sr, sc, osb, algo, schedule, drop, record);
 }
 
 }  // namespace fastspec

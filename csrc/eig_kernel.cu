@@ -64,6 +64,10 @@
 #if !defined(FS_ALGO)
 #define FS_ALGO 0  // the block algorithm (eig_core.h)
 #endif
+#if !defined(FS_PROFILE)
+#define FS_PROFILE 0  // 1: the profiling build (below); fastspec/eig/profile.py asks for it, nothing else does
+#endif
+static_assert(FS_PROFILE == 0 || FS_SMEM == 1, "FS_PROFILE: the profiling build takes the work pointer for its record");
 static_assert(FS_N >= 1 && FS_N <= fastspec::kMaxN, "FS_N: outside [1, FS_MAX_N] (fastspec/eig/limits.py)");
 static_assert(FS_THREADS <= fastspec::kMaxThreads, "FS_THREADS: above FS_MAX_THREADS (fastspec/eig/limits.py)");
 static_assert(FS_ALGO >= 0 && FS_ALGO < fastspec::kAlgoCount, "FS_ALGO: not an algorithm of eig_algos.h");
@@ -73,6 +77,29 @@ static_assert(FS_ALGO == 0 || (FS_SMEM == 1 && FS_N <= fastspec::algo_max_n(FS_A
 
 namespace fastspec {
 
+// The profiling build (FS_PROFILE 1): `work` is a record of kProfSlots 64-bit words per block of the
+// grid, the normal build's launch contract otherwise (the matrix must be in shared memory). Slot 0:
+// (SM id << 32) | the number of marks the block made (written last); slot 1: %globaltimer (ns) at the
+// block's start, slot 2 at its end; then one word per FS_PHASE mark while they fit: (phase << 56) |
+// the low 56 bits of clock64() (SM cycles). Member 0 writes them: fire-and-forget global stores, a
+// few instructions per mark (~1.5k marks per 128 x 128 matrix against ~300k warp instructions), and
+// every other member keeps the same counters in registers without storing. fastspec/eig/profile.py
+// decodes the record (the same layout: kProfHead, kProfSlots there).
+constexpr int kProfHead = 3;
+constexpr int kProfSlots = 8192;
+constexpr unsigned long long kProfClockMask = (1ull << 56) - 1;
+
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ unsigned sm_id() {
+  unsigned id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
+
 // Team = the thread block of kSize threads, a multiple of 32 (full-warp shuffles). The size is a
 // compile-time constant: strided loops over n <= kSize members become one predicated pass.
 template <int kSize> struct BlockTeam {
@@ -81,9 +108,29 @@ template <int kSize> struct BlockTeam {
   static_assert(kSize / 32 <= kHalf, "FS_SCRATCH: too small for this block's warps");
   void* scratch;  // kScratch reals of shared memory
   mutable unsigned parity;  // which half of scratch the next reduction uses
+#if FS_PROFILE
+  unsigned long long* record;  // this block's kProfSlots words
+  mutable int marks;    // marks made so far (member 0 stores those below kProfSlots - kProfHead)
+  mutable int current;  // the phase a barrier resumes
+  __device__ void phase(int p) const {
+    if (threadIdx.x == 0 && marks < kProfSlots - kProfHead)
+      record[kProfHead + marks] = (static_cast<unsigned long long>(p) << 56) | (clock64() & kProfClockMask);
+    ++marks;
+    current = p;
+  }
+  __device__ void barrier() const {
+    const int resume = current;
+    phase(kPhaseBarrier);
+    __syncthreads();
+    phase(resume);
+  }
+#else
+  __device__ void phase(int) const {}
+  __device__ void barrier() const { __syncthreads(); }
+#endif
   __device__ int rank() const { return threadIdx.x; }
   __device__ int size() const { return kSize; }
-  __device__ void sync(int = 0) const { __syncthreads(); }
+  __device__ void sync(int = 0) const { barrier(); }
 
   template <class Real, class Op> __device__ Real reduce(Real x, Op op) const {
     for (int o = 16; o > 0; o >>= 1) x = op(x, __shfl_xor_sync(0xffffffffu, x, o));
@@ -92,7 +139,7 @@ template <int kSize> struct BlockTeam {
     // reaches after folding reduction i's totals (all threads run the same reductions in order).
     Real* s = static_cast<Real*>(scratch) + (parity++ & 1u) * kHalf;
     if ((threadIdx.x & 31) == 0) s[threadIdx.x >> 5] = x;
-    __syncthreads();
+    barrier();
     // every thread folds the warp totals in the same order: bitwise-identical result everywhere,
     // so branches on it are block-uniform
     Real t = s[0];
@@ -125,18 +172,29 @@ fastspec_eigvalsh(const FS_REAL* __restrict__ in, FS_REAL* __restrict__ out, FS_
   // access).
   extern __shared__ __align__(16) double smem_f64[];
   FS_REAL* sm = reinterpret_cast<FS_REAL*>(smem_f64);
-#if FS_ALGO != 0
-  {
-    const BlockTeam<FS_THREADS> team{sm + algo_smem_elems(FS_ALGO, FS_N), 0u};  // scratch after the work memory
-    for (int64_t b = blockIdx.x; b < batch; b += gridDim.x)
-      algo_eigvalsh_one<FS_ALGO>(team, in + b * sb, sr, sc, FS_N, out + b * osb, sm);
-    return;
-  }
-#endif
   const bool in_smem = FS_SMEM != 0;
+  // the reduction scratch follows the work memory
+  FS_REAL* const scratch = sm + (FS_ALGO != 0 ? algo_smem_elems(FS_ALGO, FS_N) : block_work_elems(FS_N, in_smem));
+#if FS_PROFILE
+  unsigned long long* const record = reinterpret_cast<unsigned long long*>(work) + static_cast<int64_t>(blockIdx.x) * kProfSlots;
+  if (threadIdx.x == 0) record[1] = global_ns();
+  const BlockTeam<FS_THREADS> team{scratch, 0u, record, 0, kPhaseLoad};
+#else
+  const BlockTeam<FS_THREADS> team{scratch, 0u};
+#endif
+#if FS_ALGO != 0
+  for (int64_t b = blockIdx.x; b < batch; b += gridDim.x)
+    algo_eigvalsh_one<FS_ALGO>(team, in + b * sb, sr, sc, FS_N, out + b * osb, sm);
+#else
   const Work<FS_REAL> wk =
       block_work(sm, in_smem ? nullptr : work + static_cast<int64_t>(blockIdx.x) * FS_N * FS_N, FS_N);
-  const BlockTeam<FS_THREADS> team{sm + block_work_elems(FS_N, in_smem), 0u};  // scratch after the work arrays
   for (int64_t b = blockIdx.x; b < batch; b += gridDim.x)
     eigvalsh_one(team, in + b * sb, sr, sc, FS_N, out + b * osb, wk);
+#endif
+#if FS_PROFILE
+  if (threadIdx.x == 0) {
+    record[2] = global_ns();
+    record[0] = (static_cast<unsigned long long>(sm_id()) << 32) | static_cast<unsigned>(team.marks);
+  }
+#endif
 }

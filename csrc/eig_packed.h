@@ -178,6 +178,7 @@ FS_HD Real packed_tridiagonalize(const Team& team, int n, Real* sm, Real*& u, Re
   const int c = team.rank(), wc_ = c >> 5;
   Real tau = 0;
   for (int j = 0; j + 2 < n; ++j) {
+    FS_PHASE(team, kPhaseReflector);
     // (a) reflector j-1's w = p - (tau/2)(p.u) u on rows >= j: h by one reduction, then every
     // member stores its own w and recomputes the w it needs for column j (same expression)
     const Real h = Real(0.5) * tau * team.sum((c >= j && c < n) ? p[c] * u[c] : Real(0));
@@ -205,6 +206,7 @@ FS_HD Real packed_tridiagonalize(const Team& team, int n, Real* sm, Real*& u, Re
       if (i < n) u2[i] = i < j + 1 ? Real(0) : (i == j + 1 ? Real(1) : colj[i] * inv);
     }
     FS_SYNC(team);  // u2, w and column j visible; every member has read alpha
+    FS_PHASE(team, kPhaseUpdate);
     // (c) one pass over member c's own column, rows >= max(32 w, j & ~3) (u = w = 0 below j,
     // u2 = 0 below j + 1): reflector j-1's update and the column part of p_c = tau2 (A u2)_c
     Real s0 = 0, s1 = 0, s2 = 0, s3 = 0;
@@ -239,6 +241,7 @@ FS_PRAGMA(unroll 1)
       colj[j + 1] = beta;  // e[j], in place (member 0 never owns an active column)
     }
     FS_SYNC(team);  // the updated columns visible to the row pass
+    FS_PHASE(team, kPhaseProduct);
     // (d) the row part: sum over rows r < 32 w of A[c][r] u2[r], A[c][r] stored in column r
     // (panel wp < w, lane r - 32 wp, row c): at fixed r the warp reads consecutive addresses
     if (c > j && c < n) {
@@ -278,11 +281,13 @@ FS_HD void packed_eigvalsh_one(const Team& team, const Real* in, int64_t sr, int
   Real* u2 = u + n4;
   Real* w = u2 + n4;
   Real* p = w + n4;
+  FS_PHASE(team, kPhaseLoad);
   if (c < n) { u[c] = 0; p[c] = 0; }  // reflector -1: the identity (u = 0), p finite
   const Real amax = load(team, in, sr, sc, n, smem);  // its reduction orders the stores above
   if (!(amax <= Num<Real>::huge()) || amax == 0) {  // uniform branch: amax is team-wide
     const Real fill = amax == 0 ? Real(0) : Num<Real>::nan_();
     for (int i = c; i < n; i += team.size()) out[i] = fill;
+    FS_PHASE(team, kPhaseEnd);
     return;  // nothing of this matrix is read after the reduction: no barrier before the next
   }
   int ex = 0;
@@ -297,6 +302,7 @@ FS_HD void packed_eigvalsh_one(const Team& team, const Real* in, int64_t sr, int
   // after this gather's barrier). Neither d nor the eigenvalues are written by the next matrix
   // before its first reflector's reduction: the rank sort (bisect_all) needs no barrier after it
   // but its own. te and the grid counts reuse the dead triangle.
+  FS_PHASE(team, kPhaseReflector);
   const int jt = n >= 2 ? n - 2 : 0;
   const Real h = Real(0.5) * tau * team.sum((c >= jt && c < n) ? p[c] * u[c] : Real(0));
   Real* const vec = smem + vec_base(n);
@@ -323,6 +329,7 @@ FS_HD void packed_eigvalsh_one(const Team& team, const Real* in, int64_t sr, int
   FS_SYNC(team);  // d, e complete; the triangle no longer read (bisect_all's vectors overwrite it)
   bisect_all(team, n, wk);
   for (int i = c; i < n; i += team.size()) out[i] = Num<Real>::ldexp_(wk.d[i], ex);
+  FS_PHASE(team, kPhaseEnd);
   // no barrier: the next matrix writes u, p and the triangle before its first reduction, none of
   // which holds d (read here) or anything bisect_all reads after its last barrier
 }

@@ -206,6 +206,7 @@ FS_HD void regs_eigenvalues(const Team& team, int n, const Real* d, const Real* 
   Real* pairs = region;
   Real* lam = region + 2 * n4;
   Real* counts = lam + n4;
+  FS_PHASE(team, kPhaseIsolate);
   Real hi_t = -N::huge(), nlo_t = -N::huge();
   if (t < n) {
     const Real dt = d[t];
@@ -231,9 +232,11 @@ FS_HD void regs_eigenvalues(const Team& team, int n, const Real* d, const Real* 
   for (int g = 1 + t; g < kGrid; g += team.size())
     counts[g] = Real(regs_count(pairs, d0, n, grid_point(lo, hi, g)));
   FS_SYNC(team);
+  FS_PHASE(team, kPhaseRefine);
   for (int k = t; k < n; k += team.size())  // k-th smallest eigenvalue (eig_core.h's bisection)
     lam[k] = bisect_from_grid(k, counts, lo, hi, tol, [&](Real x) { return regs_count(pairs, d0, n, x); });
   FS_SYNC(team);
+  FS_PHASE(team, kPhaseSort);
   // ascending already (the usual case: a scan of lam, ~5 instructions per entry and warp) or a
   // rank sort (rounding may swap neighbours): position = #smaller + #equal before k
   const int ex = static_cast<int>(e[n - 1]);  // the scaling's exponent, parked there
@@ -304,6 +307,7 @@ FS_HD void regs_eigvalsh_one(const Team& team, const Real* in, int64_t sr, int64
   // ---- 1. load: thread (c, h) reads its rows of column c; (r, c) above the diagonal is read as
   // its mirror (c, r), so only the lower triangle is touched. All 64 loads are issued before the
   // first use: 64 global loads in flight per thread. Rows / columns >= n hold 0.
+  FS_PHASE(team, kPhaseLoad);
   Real a[kRegsRows];
   Real local = 0;
   if (c < n) {
@@ -325,6 +329,7 @@ FS_PRAGMA(unroll)
   if (!(amax <= N::huge()) || amax == 0) {  // uniform: amax is team-wide. Nothing shared written.
     const Real fill = amax == 0 ? Real(0) : N::nan_();
     for (int i = t; i < n; i += team.size()) out[i] = fill;
+    FS_PHASE(team, kPhaseEnd);
     return;
   }
   // ---- 2. exact scaling by 2^s, s = -ex, as two products by normal powers of two: one rounding
@@ -361,6 +366,7 @@ FS_PRAGMA(unroll)
   }
   FS_SYNC(team);
   for (int j = 0; j + 1 < n; ++j) {  // the last reflector, n-2, is a sign flip or the identity
+    FS_PHASE(team, kPhaseUpdate);
     const int j1 = j + 1;
     // F: columns c >= j, chunks of 8 rows reaching past row j (u = w = 0 and x = 0 on rows <= j
     // of the skipped ones: exact no-ops). Column j's own product is (A x)_j = sum x_r^2 = nrm2.
@@ -399,6 +405,7 @@ FS_PRAGMA(unroll)
         }
       }
     }
+    FS_PHASE(team, kPhaseReflector);
     const bool wm = h == 0 && c >= j && c < n;  // members of R + W
     const Real alpha = wm ? X[j1] : Real(0);  // before the sum: W below rewrites X[j1]
     const Real xAx = team.sum(q);  // x.(A x) * 2^80
@@ -443,6 +450,7 @@ FS_PRAGMA(unroll)
 
   // ---- 4-5. eigenvalues of T, scaled back
   regs_eigenvalues(team, n, d, e, region, out);
+  FS_PHASE(team, kPhaseEnd);
 }
 
 }  // namespace fastspec

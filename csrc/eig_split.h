@@ -144,10 +144,12 @@ FS_HD void split_eigvalsh_one(const Team& team, const Real* in, int64_t sr, int6
   const int T = split_cols(n), t = team.rank(), size = team.size(), col = t % T, half = t / T;
 
   // 1. load + mirror: member (col, half) reads column col, every other batch of 8 rows
+  FS_PHASE(team, kPhaseLoad);
   const Real amax = team.max(load_lower_part(in, sr, sc, n, wk, col, T, half, 2));
   if (!(amax <= Num<Real>::huge()) || amax == 0) {  // uniform: amax is team-wide
     const Real fill = amax == 0 ? Real(0) : Num<Real>::nan_();
     for (int i = t; i < n; i += size) out[i] = fill;
+    FS_PHASE(team, kPhaseEnd);
     return;
   }
   int ex = 0;
@@ -172,6 +174,7 @@ FS_HD void split_eigvalsh_one(const Team& team, const Real* in, int64_t sr, int6
   for (int i = t; i < n; i += size) { u[i] = 0; P[i] = 0; Q[i] = 0; }
   Real tau = 0, local_pu = 0;
   for (int j = 0;; ++j) {
+    FS_PHASE(team, kPhaseReflector);
     // (a) reflector j-1's w = p - (tau/2)(p.u) u (rows >= j), its update of column j (rows
     // >= j) and the norm of the updated column below row j + 1, in one pass. (p.u) comes from
     // the partial sums of the previous pass; its reduction is the barrier after that pass (and
@@ -207,6 +210,7 @@ FS_HD void split_eigvalsh_one(const Team& team, const Real* in, int64_t sr, int6
     for (int i = (j & ~3) + t; i < n; i += size)
       u2[i] = i < r1 ? Real(0) : (i == r1 ? Real(1) : a[i * rs + j] * inv);
     FS_SYNC(team);  // u2, w visible
+    FS_PHASE(team, kPhaseUpdate);
     // (c) reflector j-1's rank-2 update of columns > j, fused with reflector j's partial p: member
     // (col, half) walks half of the rows of column j + 1 + col (a warp: 32 consecutive columns
     // of one half, conflict free); eig_core.h's update_rows, four rows per step.
@@ -224,6 +228,7 @@ FS_HD void split_eigvalsh_one(const Team& team, const Real* in, int64_t sr, int6
     tau = tau2;
   }
   FS_SYNC(team);  // the last column's update and w visible
+  FS_PHASE(team, kPhaseReflector);
   if (t == 0) {
     if (n >= 2) {
       wk.d[n - 2] = a[(n - 2) * rs + (n - 2)];
@@ -239,6 +244,7 @@ FS_HD void split_eigvalsh_one(const Team& team, const Real* in, int64_t sr, int6
   Real* const lam = wk.v2;
   Real* const gcount = extra;           // [1, G): counts at the grid's interior points
   Real* const scount = extra + 2 * T;   // [2T) per sweep parity: each member's count
+  FS_PHASE(team, kPhaseIsolate);
   sturm_pairs(team, wk.d, wk.e, n, te);
   const Bracket<Real> br = gerschgorin(wk.d, wk.e, n);
   const Real lo = br.lo, hi = br.hi, pivmin = br.pivmin, tol = br.tol;
@@ -246,6 +252,7 @@ FS_HD void split_eigvalsh_one(const Team& team, const Real* in, int64_t sr, int6
   FS_SYNC(team);  // te complete
   if (t + 1 < cells) gcount[t + 1] = Real(sturm_count<Real, SplitSturm<Real>>(te, n, grid_point(lo, hi, t + 1, cells), pivmin));
   FS_SYNC(team);  // grid counts complete
+  FS_PHASE(team, kPhaseRefine);
   // member (k, half) = (col, half): eigenvalue k, the interior point half of each trisection
   const int k = col;
   Real lb = 0, ub = 0;
@@ -279,6 +286,7 @@ FS_HD void split_eigvalsh_one(const Team& team, const Real* in, int64_t sr, int6
   }
   if (k < n && half == 0) lam[k] = lb + Real(0.5) * (ub - lb);
   FS_SYNC(team);  // eigenvalues complete
+  FS_PHASE(team, kPhaseSort);
   // 5. ascending order (rank sort, as bisect_all), scaled back, straight to the output
   for (int kk = t; kk < n; kk += size) {
     const Real x = lam[kk];
@@ -286,6 +294,7 @@ FS_HD void split_eigvalsh_one(const Team& team, const Real* in, int64_t sr, int6
     for (int i = 0; i < n; ++i) pos += (lam[i] < x) || (lam[i] == x && i < kk);
     out[pos] = Num<Real>::ldexp_(x, ex);
   }
+  FS_PHASE(team, kPhaseEnd);
 }
 
 }  // namespace fastspec
