@@ -1,6 +1,6 @@
 """The offline GPU kit: fastspec measured on an H100/H200 in two capped commands, 13 minutes.
 
-    python benchmarks/gpu_run.py 1 OUT          # headline numbers (first 4 minutes), covariance route race, eigensolver race, race probe, GPU tests
+    python benchmarks/gpu_run.py 1 OUT          # headline numbers (first 4 minutes), covariance route race, eigensolver race and phases, race probe, GPU tests
     python benchmarks/gpu_run.py 2 OUT          # profiles, every other size, training steps, Nsight Compute
     python benchmarks/gpu_run.py 3 OUT          # extra, when the lease has time left: key rank, sanitizers, compiled step
     python benchmarks/gpu_run.py --plan         # the time table; exit 1 if the plan breaks a limit
@@ -37,9 +37,9 @@ OUT receives a few flat files (at most 8 come back from a GPU machine): ``gpu_ru
 step's start, cap, status and seconds, the versions, the summary), ``bench.json`` (this command's
 ``fastspec bench`` results merged: the ``benchmarks/results`` schema plus a ``gpu_run`` record),
 ``compare.json`` (command 3), ``cov_race.json`` (command 1: ``cov_race.py``), ``race.json`` (command 1:
-``eig_race.py``), ``tests.txt`` (command 1), ``diag.txt`` (``race_probe.py`` in command 1, ``gpu_diag.py`` in
+``eig_race.py``), ``phases.json`` (command 1: ``eig_phases.py``), ``tests.txt`` (command 1), ``diag.txt`` (``race_probe.py`` in command 1, ``gpu_diag.py`` in
 2), ``tools.txt`` (ncu in command 2, compute-sanitizer in 3), ``steps.txt`` (every other step's own output):
-7 in command 1, 5 in commands 2 and 3. Exit status: 0 when every step passed,
+8 in command 1, 5 in commands 2 and 3. Exit status: 0 when every step passed,
 was capped or skipped an optional tool; 1 when a step failed; 2 on bad arguments.
 
 ``--dry-run`` runs exactly the same steps, in the same order and under the same caps, on CPU:
@@ -79,7 +79,8 @@ COPIED = ("fastspec", "csrc", "tests", "benchmarks", "conftest.py", "setup.py", 
 # what the host-twin extension is built from (setup.py): the eigensolver's files of csrc/, not
 # cov_gram.cu, which only NVRTC compiles (an edit there must not rebuild the extension)
 NATIVE = ("csrc/bindings.cpp", "csrc/eig_host.cpp", "csrc/eig_host.h", "csrc/eig_core.h", "csrc/eig_algos.h",
-          "csrc/eig_packed.h", "csrc/eig_regs.h", "csrc/eig_split.h", "fastspec/eig/limits.py", "setup.py")
+          "csrc/eig_packed.h", "csrc/eig_regs.h", "csrc/eig_split.h", "csrc/eig_newton.h", "fastspec/eig/limits.py",
+          "setup.py")
 KERNEL_SIZES = ("64", "128", "256")  # the eigvalsh suite's n (fastspec.bench.suites.eigvalsh.SIZES["gpu"])
 
 
@@ -92,7 +93,7 @@ class Step:
     """One step of a command: ``kind`` says what runs (see :func:`argv`)."""
 
     name: str
-    kind: str            # build | kernels | env | bench | covrace | race | probe | diag | tests | ncu | sanitize | compare | summary
+    kind: str            # build | kernels | env | bench | covrace | race | phases | probe | diag | tests | ncu | sanitize | compare | summary
     cap: int             # seconds of work (a bench/compare/tool step's --time-limit)
     grace: int = 0       # from the cap to the signal
     what: str = ""
@@ -145,6 +146,13 @@ PLAN: dict[int, tuple[Step, ...]] = {
         # 30 s (was 40): the H200 run of 2026-11-28 raced all 7 shapes in 22 s (the dry run: 6-12 s)
         Step("race", "race", 30, 10, "eig_race.py: every algorithm of the eigensolver timed and checked on "
              "the same batches; the selection-table rows to commit"),
+        # where the eigensolver's time goes (issue 63): right after the race that times the same
+        # kernels. 20 s: ~1-2 s per algorithm and shape (a 64 MiB record per launch) and the call's
+        # decomposition (eig_call.py) ~5 s; the dry run ~3 s. Paid for by the tests step (60 -> 45 s)
+        # and command 2's every-other-size eigvalsh (40 -> 30) and ncu (35 -> 30), which run to their caps
+        Step("phases", "phases", 20, 5, "eig_phases.py: every algorithm's profiling build (clock64 per phase "
+             "mark): cycles per phase, share, IPC against the cost model; the fitted model's predictions; "
+             "the call's own cost (host, events, device, graphed, raw launch)"),
         # the check of the race the H100 found on 2026-11-27 (each GPU brings its own Triton); it
         # replaced gpu_diag.py's sweep of the 2026-11-26 failures over launch settings, which
         # that race explained (the sweep still runs by hand). 15 s (was 25): 11 s on the H200
@@ -154,19 +162,19 @@ PLAN: dict[int, tuple[Step, ...]] = {
         # 60 s (was 75): it runs to its cap wherever it runs (the H200, 2026-11-28: SIGINT at 85 s,
         # killed at 90), so its cap is what the plan can spare; 15 s of it went to cov-race, whose
         # rows choose the route of every exact keys update
-        Step("tests", "tests", 60, 10, "pytest -m 'gpu or triton' (8 workers where pytest-xdist is "
+        Step("tests", "tests", 45, 10, "pytest -m 'gpu or triton' (8 workers where pytest-xdist is "
              "installed): CUDA solver, Triton kernels on CUDA"),
         SUMMARY),
     2: (BUILD, KERNELS_AGAIN,
         _diag("profile", 45, 10, "host vs device time of a keys update; torch.profiler of measure() and "
               "of a keys-streaming train step at the 1.5B shape"),
-        _bench("eigvalsh", 40, 15, "every other eigvalsh size (n 64/128/256, B up to 16384, fp64 B4096)", REST),
+        _bench("eigvalsh", 30, 15, "every other eigvalsh size (n 64/128/256, B up to 16384, fp64 B4096)", REST),
         _bench("covariance", 20, 10, "FFN [16384, 8192] bf16: update, kernel, copy", REST),
         _bench("train_step", 45, 15, "1.5B train step, keys + FFN streaming: emit_every 100, budget=0.01, "
                "emit_every 1"),
         # 35 s: at 30 both profiles ran out of time on the H100 (2026-11-27); 5 s from eigvalsh,
         # whose every-other-size step always runs to its cap
-        Step("ncu", "ncu", 35, 5, "Nsight Compute --set full: one keys covariance launch, one eig launch"),
+        Step("ncu", "ncu", 30, 5, "Nsight Compute --set full: one keys covariance launch, one eig launch"),
         SUMMARY),
     3: (BUILD, KERNELS_AGAIN,
         _bench("keyrank", 30, 15, "1.5B key rank: measure() vs hooks + svdvals per head"),
@@ -270,6 +278,9 @@ class Run:
                     *dry]
         if step.kind == "race":
             return [py, "benchmarks/eig_race.py", "--json", str(self.out / "race.json"), "--time-limit", cap, *dry]
+        if step.kind == "phases":
+            return [py, "benchmarks/eig_phases.py", "--json", str(self.out / "phases.json"), "--time-limit", cap,
+                    *dry]
         if step.kind == "compare":
             return [py, "-m", "fastspec", "compare", *size, "--json", str(self.out / "compare.json"),
                     "--time-limit", cap]

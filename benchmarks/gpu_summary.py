@@ -12,7 +12,8 @@
   errors and a broken accuracy claim, or why it was skipped), the accuracy summary of
   ``compare.json``, the exact covariance update's route race per shape (``cov_race.json``), the
   eigensolver race's winner and times per shape (``race.json``,
-  ``eig_race.py``), the tools' verdicts from ``tools.txt``, the accuracy rows and timing lines
+  ``eig_race.py``), the three largest phases per algorithm and the call's verdict (``phases.json``,
+  ``eig_phases.py``), the tools' verdicts from ``tools.txt``, the accuracy rows and timing lines
   of ``diag.txt`` (``race_probe.py --kit``, ``gpu_diag.py``) and pytest's closing line from ``tests.txt``, each failing
   test with its assertion's message where the tests step printed it.
 """
@@ -154,6 +155,19 @@ def summary(out: Path, bench: dict | None) -> list[str]:
                               for n, a in sorted(r["algorithms"].items(), key=lambda kv: kv[1]["ms"]))
             lines.append(f"race {r['shape']}: winner {r['winner']} ({times})")
         lines += [f"race {name}: not run (time limit)" for name in doc.get("not_run", [])]
+    phases = out / "phases.json"
+    if phases.exists() and (doc := _load(phases)) is not None:  # eig_phases.py: the two largest phases per algorithm
+        for r in doc.get("results", []):
+            if "summary" not in r:
+                lines.append(f"phases {r['shape']} {r['algo']}: {r.get('error')}")
+                continue
+            top = sorted(r["summary"]["phases"].items(), key=lambda kv: -kv[1]["share"])[:3]
+            shares = ", ".join(f"{p} {100 * v['share']:.0f}%" for p, v in top)
+            ms = f"{r['ms']:.3g} ms (profiled {r['ms_profiled']:.3g}): " if r.get("ms") else ""
+            lines.append(f"phases {r['shape']} {r['algo']}: {ms}{shares}")
+        call = doc.get("call") or {}
+        if call.get("verdict"):
+            lines.append(f"eig call: {call['verdict']}")
     cov = out / "cov_race.json"
     if cov.exists() and (doc := _load(cov)) is not None:  # cov_race.py: the exact update's routes per shape
         for r in doc["results"]:

@@ -86,7 +86,7 @@ namespace fastspec {
 // every other member keeps the same counters in registers without storing. fastspec/eig/profile.py
 // decodes the record (the same layout: kProfHead, kProfSlots there).
 constexpr int kProfHead = 3;
-constexpr int kProfSlots = 8192;
+constexpr int kProfSlots = 4096;
 constexpr unsigned long long kProfClockMask = (1ull << 56) - 1;
 
 __device__ __forceinline__ unsigned long long global_ns() {

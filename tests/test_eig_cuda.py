@@ -135,6 +135,7 @@ def test_kernel_cache_holds_the_variants_used(tmp_path, monkeypatch):
     monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path))
     nvrtc.forget()
     monkeypatch.setattr(eig_cuda, "_loaded", {})
+    monkeypatch.setattr(eig_cuda, "_plans", {})  # an earlier test's plan of this size would skip the load
     A = torch.from_numpy(make_batch("spd", 96, 4)).cuda()
     cuda(A)
     (f,) = (tmp_path / "eig").iterdir()
@@ -181,3 +182,28 @@ def test_every_algorithm_on_the_battery(algo, dtype, n):
         else:
             ref = reference(A_ok)
             assert (ok.cpu() - ref).abs().max() <= n * EPS64 * ref.abs().max(), family
+
+
+@pytest.mark.parametrize("algo", ["block", "packed", "regs", "split"])
+def test_profiling_build_marks_what_the_emulation_marks(algo):
+    """The profiling build (fastspec/eig/profile.py) on the GPU: the same results as the normal
+    kernel, and member 0's record of each block is exactly the team emulation's phase sequence,
+    with cycles that add up to the block's total and a plausible clock."""
+    from fastspec.eig import cuda as eig_cuda
+    from fastspec.eig import profile
+
+    A = torch.from_numpy(make_batch("indefinite", 40, 6)).float()
+    out, record, _ = profile.run_profiled(A.cuda(), algo)
+    normal = torch.empty(6, 40, device="cuda")
+    eig_cuda.launch(A.cuda(), normal, algo=algo)
+    torch.cuda.synchronize()
+    assert torch.equal(out, normal)  # the stamps change no arithmetic
+    rec = record.cpu().numpy()
+    for b, row in enumerate(rec[:6]):
+        want = profile.team_phases(A[b], algo)  # split's sweep count (a barrier each) depends on the matrix
+        words = row.view(np.uint64)
+        marks = int(words[0] & np.uint64(0xFFFFFFFF))
+        ids = (words[profile.HEAD:profile.HEAD + marks] >> np.uint64(profile.CLOCK_BITS)).tolist()
+        assert ids == want, (algo, b)
+    s = profile.summarize(profile.decode(rec))
+    assert s.blocks == 6 and not s.truncated and 0.5 < s.ghz < 3.5

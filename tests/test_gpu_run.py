@@ -23,7 +23,7 @@ import torch
 from fastspec.bench import runner
 from fastspec.bench.case import Case, exactly_zero
 from fastspec.cli import main
-from fastspec.eig import precompile
+from fastspec.eig import precompile, variants
 
 REPO = Path(__file__).resolve().parents[1]
 KIT = REPO / "benchmarks"
@@ -350,10 +350,12 @@ def test_the_headline_numbers_come_first_and_the_tools_once():
     heads = [s for s in first if s.headline]
     assert [(s.suite, s.select) for s in heads] == [("eigvalsh", gpu_run.HEAD), ("covariance", gpu_run.HEAD),
                                                     ("probe", gpu_run.HEAD)]
-    # after the numbers: the covariance route race, the eigensolver race, the covariance race probe, the tests
+    # after the numbers: the covariance route race, the eigensolver race and its phases, the covariance
+    # race probe, the tests
     after = kinds[first.index(heads[-1]) + 1:]
-    assert after == ["covrace", "race", "probe", "tests", "summary"], after
+    assert after == ["covrace", "race", "phases", "probe", "tests", "summary"], after
     assert every_kind().count("covrace") == every_kind().count("race") == every_kind().count("probe") == 1
+    assert every_kind().count("phases") == 1
     every = [s.kind for steps in gpu_run.PLAN.values() for s in steps]
     assert every.count("ncu") == every.count("sanitize") == every.count("tests") == every.count("compare") == 1
     assert "ncu" not in kinds and "sanitize" not in kinds  # not in the command that gives the numbers
@@ -679,6 +681,13 @@ def test_dry_run_of_the_whole_plan_offline_with_tools_and_anchors_missing(tmp_pa
     assert all(a["ok"] for r in race["results"] for a in r["algorithms"].values())
     assert all(r["measured"]["dry_run"] for r in race["rows"])
     assert re.search(r"^race B4096-n128-fp32-dry: winner \w+ \(", logs[1], re.MULTILINE)
+    # the eigensolver's phases: every algorithm's profiling build compiled for sm_90 and a record
+    # synthesized from its emulated phase sequence decoded, its three largest phases in the summary
+    phases = _strict_json(tmp_path / "out1" / "phases.json")
+    assert phases["dry_run"] is True and not phases["not_run"] and phases["results"]
+    assert not [r for r in phases["results"] if "error" in r]
+    assert {r["algo"] for r in phases["results"]} == set(variants.ALGORITHMS)
+    assert re.search(r"^phases B4096-n128-fp32-dry packed: \w+ \d+%", logs[1], re.MULTILINE)
     # the covariance route race: every route raced or listed with its reason, each raced one
     # exact on CPU (blocked, the Triton routes interpreted), its rows marked as a dry run's
     cov = _strict_json(tmp_path / "out1" / "cov_race.json")
