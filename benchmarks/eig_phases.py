@@ -10,7 +10,7 @@ median of 5), then its profiling build (:mod:`fastspec.eig.profile`: member 0 of
 phase the median and p90 SM cycles per block and the phase's share of all block cycles. Beside each
 phase: the warp instructions per matrix the header's cost model assigns to it (:data:`MODEL`,
 PREDICTED dynamic counts from the sm_90 SASS, not measured), and so the achieved instructions per
-cycle of a block in that phase; and the fitted cost model of issue 63 (:func:`fit`, :func:`predict`):
+cycle of a block in that phase; and the fitted cost model (:func:`fit`, :func:`predict`):
 cycles per instruction per phase from this run, which predict a kernel time from an algorithm's
 instruction counts; printed for each algorithm against its measured time (the ratio says how well
 the model holds), and for an algorithm without a measurement of its own from the one it shares

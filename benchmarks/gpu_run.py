@@ -146,7 +146,7 @@ PLAN: dict[int, tuple[Step, ...]] = {
         # 30 s (was 40): the H200 run of 2026-11-28 raced all 7 shapes in 22 s (the dry run: 6-12 s)
         Step("race", "race", 30, 10, "eig_race.py: every algorithm of the eigensolver timed and checked on "
              "the same batches; the selection-table rows to commit"),
-        # where the eigensolver's time goes (issue 63): right after the race that times the same
+        # where the eigensolver's time goes: right after the race that times the same
         # kernels. 20 s: ~1-2 s per algorithm and shape (a 64 MiB record per launch) and the call's
         # decomposition (eig_call.py) ~5 s; the dry run ~3 s. Paid for by the tests step (60 -> 45 s)
         # and command 2's every-other-size eigvalsh (40 -> 30) and ncu (35 -> 30), which run to their caps

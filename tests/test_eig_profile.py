@@ -1,4 +1,4 @@
-"""The eigensolver's profiling build and its reader (``fastspec/eig/profile.py``, issue 63).
+"""The eigensolver's profiling build and its reader (``fastspec/eig/profile.py``).
 
 Without a GPU: the phase ids agree between C++ and Python; the team emulation makes each
 algorithm's marks where its header says (load, then per reflector its phases, then isolate, refine,
