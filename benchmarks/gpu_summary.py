@@ -165,9 +165,8 @@ def summary(out: Path, bench: dict | None) -> list[str]:
             shares = ", ".join(f"{p} {100 * v['share']:.0f}%" for p, v in top)
             ms = f"{r['ms']:.3g} ms (profiled {r['ms_profiled']:.3g}): " if r.get("ms") else ""
             lines.append(f"phases {r['shape']} {r['algo']}: {ms}{shares}")
-        call = doc.get("call") or {}
-        if call.get("verdict"):
-            lines.append(f"eig call: {call['verdict']}")
+        for shape in (doc.get("call") or {}).get("shapes", []):  # eig_call.py's decomposition of one call
+            lines.append(f"eig call {shape.get('name')}: {shape.get('verdict')}")
     cov = out / "cov_race.json"
     if cov.exists() and (doc := _load(cov)) is not None:  # cov_race.py: the exact update's routes per shape
         for r in doc["results"]:

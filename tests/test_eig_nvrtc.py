@@ -19,12 +19,14 @@ import sys
 import types
 from pathlib import Path
 
+import _fake_gpu
 import numpy as np
 import pytest
 import torch
+from _fake_gpu import FakeDriver
 
 import fastspec
-from fastspec.eig import cuda, dispatch, limits, native, nvrtc, precompile, variants
+from fastspec.eig import cuda, dispatch, limits, native, nvrtc, precompile
 from fastspec.eig.matrices import make_batch
 from fastspec.eig.reference import eigvalsh_reference
 
@@ -207,77 +209,11 @@ def test_plan_rejects_sizes_outside_the_limit():
 # ------------------------------------------------------------------- the launcher, driver stubbed
 
 
-class FakeDriver(types.SimpleNamespace):
-    """``cuda.bindings.driver`` as far as cuda.py uses it. cuLaunchKernel reads the parameter
-    array the launcher built and runs the host twin on those pointers and strides."""
-
-    def __init__(self, n: int, version: int = 13000):
-        super().__init__(launches=[], attributes={}, loaded=[], n=n, version=version)
-        self.CUfunction_attribute = types.SimpleNamespace(
-            CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES="max_dynamic_smem",
-            CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT="carveout")
-
-    def cuInit(self, flags):
-        return (0,)
-
-    def cuDriverGetVersion(self):
-        return (0, self.version)
-
-    def cuLibraryLoadData(self, data, *rest):
-        self.loaded.append(bytes(data[:4]))
-        return (0, "lib")
-
-    def cuLibraryGetKernel(self, lib, name):
-        return (0, ("kernel", name))
-
-    def cuDeviceGet(self, index):
-        return (0, index)
-
-    def cuKernelSetAttribute(self, attr, value, kernel, dev):
-        self.attributes[attr] = value
-        return (0,)
-
-    def cuCtxGetCurrent(self):
-        return (0, 7)
-
-    def cuDevicePrimaryCtxRetain(self, dev):
-        return (0, 7)
-
-    def cuDevicePrimaryCtxRelease(self, dev):
-        return (0,)
-
-    def cuLaunchKernel(self, kernel, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
-        addr = (ctypes.c_void_p * 8).from_address(params)
-        ptrs = [ctypes.c_void_p.from_address(addr[i]).value or 0 for i in range(3)]
-        batch, sb, sr, sc, osb = (ctypes.c_longlong.from_address(addr[i]).value for i in range(3, 8))
-        self.launches.append(dict(kernel=kernel, grid=(gx, gy, gz), block=(bx, by, bz), smem=smem, stream=stream,
-                                  work=ptrs[2], batch=batch))
-        native._ext.host_eigvalsh_f32(ptrs[0], ptrs[1], batch, self.n, sb, sr, sc, osb)
-        return (0,)
-
-
 @pytest.fixture
 def fake_gpu(monkeypatch, cache):
-    """cuda.py against FakeDriver on CPU tensors: an H100's plan, stream 1234.
-
-    The launch plumbing of the default (block) algorithm: the selection table is emptied, since
-    the shipped one holds the H100 race's rows for sm_90 (test_eig_variants.py and the GPU tests
-    cover the selection)."""
+    """cuda.py against FakeDriver on CPU tensors: an H100's plan, stream 1234 (tests/_fake_gpu.py)."""
     def install(n: int, version: int = 13000) -> FakeDriver:
-        drv = FakeDriver(n, version)
-        monkeypatch.setattr(variants, "_rows", [[]])
-        monkeypatch.setattr(cuda, "_driver", lambda: drv)
-        monkeypatch.setattr(cuda.DeviceSpec, "of_device", classmethod(lambda cls, index: H100))
-        monkeypatch.setattr(cuda, "_loaded", {})
-        monkeypatch.setattr(cuda, "_failed", {})
-        monkeypatch.setattr(cuda, "_specs", {})
-        monkeypatch.setattr(cuda, "_targets", {})
-        monkeypatch.setattr(cuda, "_driver_ready", [])
-        monkeypatch.setattr(cuda, "_thread", type(cuda._thread)())
-        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-        monkeypatch.setattr(torch.cuda, "device", lambda index: __import__("contextlib").nullcontext())
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: types.SimpleNamespace(cuda_stream=1234))
-        return drv
+        return _fake_gpu.install(monkeypatch, n, version)
     return install
 
 
@@ -380,10 +316,10 @@ def test_missing_nvrtc_library_gives_the_install_line(monkeypatch):
 
 
 def test_op_falls_back_to_torch_once_per_reason(monkeypatch, caplog):
-    def broken(A3, out):
+    def broken(*args, **kwargs):
         raise nvrtc.KernelUnavailable("NVRTC could not compile the eigensolver (test)")
 
-    monkeypatch.setattr(cuda, "launch", broken)
+    monkeypatch.setattr(cuda, "run", broken)
     monkeypatch.setattr(native, "_fallback_reasons", set())
     A = torch.from_numpy(make_batch("spd", 16, 3)).float()
     with caplog.at_level(logging.WARNING, logger="fastspec"):

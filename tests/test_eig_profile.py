@@ -166,6 +166,7 @@ def test_the_profiling_build_compiles_for_sm90_and_the_normal_build_has_no_stamp
     from fastspec.eig import cuda, nvrtc
 
     monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(nvrtc, "_memory", {})  # compiled here, into this cache: not an image of another test's
     v = cuda.variant_for(128, dtype, cuda.DeviceSpec.for_arch(90), algo)
     text = {}
     for name, opts in (("normal", ()), ("profile", profile.OPTIONS)):

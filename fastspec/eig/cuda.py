@@ -8,6 +8,13 @@ load serves every device) and launched with ``cuLaunchKernel`` on
 ``torch.cuda.current_stream()``: asynchronous, no host sync, capturable in a CUDA graph once
 the first call (compile and load) has happened outside the capture.
 
+The steady state (every call after a problem's first): one dictionary look-up of the problem's
+launch (:data:`_plans`, keyed by device, n, dtype, batch, ``$FASTSPEC_EIG_VARIANT`` and the
+algorithm asked for), the parameters packed into this thread's buffer, one ``cuLaunchKernel``.
+No allocation (but the workspace of the rare global-workspace path), no pass over the input, no
+host sync; the plan, the selection table and the driver binding are not consulted again until
+:func:`forget`.
+
 The plan (what :func:`plan` decides per problem, from :class:`DeviceSpec`):
 
 * threads = ``round_up(n, 32)``, at most ``MAX_THREADS``: one column, later one eigenvalue, per
@@ -25,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import importlib.metadata
 import os
+import struct
 import threading
 from dataclasses import dataclass
 
@@ -186,6 +194,12 @@ def _binding_ok() -> tuple[bool, str]:
     if not _binding:
         _binding.append(_binding_status())
     return _binding[0]
+
+
+def binding_ok() -> bool:
+    """:func:`_binding_ok`'s verdict alone: all of :func:`status` a caller holding a CUDA tensor
+    needs (a GPU is then visible to torch), without asking torch for its devices again."""
+    return _binding_ok()[0]
 
 
 def status() -> tuple[bool, str]:
@@ -359,13 +373,32 @@ def launch_kernel(kernel, grid: tuple[int, int, int], block: tuple[int, int, int
     its parameters), asynchronous on torch's current stream of ``device``."""
     index = device_index(device)
     params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
-    driver = _driver()
-    with torch.cuda.device(index):
+    # the driver copies the parameter values during this call: args may go out of scope after
+    _launch_on(_driver(), index, kernel, grid, block, smem, ctypes.addressof(params))
+
+
+def _launch_on(driver, index: int, kernel, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int,
+               params: int) -> None:
+    """``cuLaunchKernel`` with the parameter array at address ``params`` on torch's current stream
+    of device ``index``; ``torch.cuda.device(index)`` entered only when ``index`` is not already
+    current (a no-op then, and the costliest step of a launch)."""
+    if _current_device() == index:
         _ensure_context(driver, index)
-        stream = torch.cuda.current_stream(index).cuda_stream
-        # the driver copies the parameter values during this call: args may go out of scope after
-        _check(driver.cuLaunchKernel(kernel, *grid, *block, smem, stream, ctypes.addressof(params), 0),
-               "cuLaunchKernel")
+        result = driver.cuLaunchKernel(kernel, *grid, *block, smem, _raw_stream(index), params, 0)
+    else:
+        with torch.cuda.device(index):
+            _ensure_context(driver, index)
+            result = driver.cuLaunchKernel(kernel, *grid, *block, smem, _raw_stream(index), params, 0)
+    if result[0]:  # CUresult is an int: CUDA_SUCCESS is 0
+        _check(result, "cuLaunchKernel")
+
+
+# torch's current device and current stream (a raw cudaStream_t) without a Python object per call:
+# torch._C's own functions (those torch.cuda.current_device and inductor's generated code call),
+# else, where this torch lacks them (a CPU build), torch.cuda's public functions, looked up per call
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or (lambda: torch.cuda.current_device())
+_raw_stream = (getattr(torch._C, "_cuda_getCurrentRawStream", None)
+               or (lambda index: torch.cuda.current_stream(index).cuda_stream))
 
 
 def device_index(device: torch.device | int) -> int:
@@ -376,11 +409,13 @@ def device_index(device: torch.device | int) -> int:
 
 
 def forget() -> None:
-    """Drop the kernels loaded in this process: the next :func:`prepare` loads them again (after
-    :func:`nvrtc.forget`, from the disk cache or NVRTC), as a process's first call does."""
+    """Drop the kernels loaded in this process and the launch plans made of them: the next
+    :func:`prepare` (or :func:`launch`) loads them again (after :func:`nvrtc.forget`, from the
+    disk cache or NVRTC), as a process's first call does."""
     with _lock:
         _loaded.clear()
         _programs.clear()
+        _plans.clear()
 
 
 def prepare(n: int, dtype: torch.dtype | str, device: torch.device | int, batch: int = 1,
@@ -449,9 +484,83 @@ def launch(A3: Tensor, out: Tensor, algo: str | None = None) -> None:
     device; float32/float64. ``algo``: an algorithm of :mod:`.variants` (the race times each),
     else the one the selection table picks."""
     B, n = out.shape
-    index = device_index(A3.device)
-    entry, p = prepare(n, A3.dtype, index, batch=B, algo=algo)
-    work = torch.empty(p.workspace, dtype=A3.dtype, device=A3.device) if p.workspace else None
-    args = launch_args(A3.data_ptr(), out.data_ptr(), work.data_ptr() if work is not None else 0, B, A3.stride(),
-                       out.stride(0))
-    launch_kernel(entry.kernel, (p.grid, 1, 1), (p.variant.threads, 1, 1), p.smem, args, index)
+    run(A3, A3.stride(), B, n, out.data_ptr(), out.stride(0), algo)
+
+
+# --- the steady-state launch ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Launch:
+    """One problem's launch, decided once by :func:`prepare`: what each later call passes to
+    ``cuLaunchKernel`` besides the pointers and strides."""
+
+    driver: object    # cuda.bindings.driver, as prepare had it
+    kernel: object    # CUkernel, loaded and configured for the device
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem: int
+    workspace: int    # reals of global workspace per call (0: the matrix is in shared memory)
+    plan: Plan
+
+
+_plans: dict[tuple, _Launch] = {}
+"""(device index, n, torch dtype, batch, $FASTSPEC_EIG_VARIANT or None, algo) -> its launch. The
+variable is part of the key, so a changed override takes effect at the next call; :func:`forget`
+empties it with the kernels."""
+PLANS_MAX = 4096
+"""Launches kept; past it the cache starts over (a process solving ever new batch sizes)."""
+
+PARAMS = struct.Struct("=3Q5q")
+"""The kernel's parameters as :func:`launch_args` makes them: three pointers (in, out, workspace),
+then batch and the strides of A (batch, row, column) and of out's rows, each 64-bit."""
+
+
+class _Params(threading.local):
+    """This thread's parameter block: 8 values, then the 8 pointers to them that cuLaunchKernel
+    reads. The driver copies the values during the call (a captured launch too), and a thread
+    makes one launch at a time, so one block per thread serves every launch: no allocation."""
+
+    def __init__(self) -> None:
+        self.block = (ctypes.c_uint64 * 16)()
+        base = ctypes.addressof(self.block)
+        self.block[8:] = [base + 8 * i for i in range(8)]
+        self.address = base + 64  # the void*[8] kernelParams
+
+
+_params = _Params()
+
+
+def run(A: Tensor, strides: tuple[int, int, int], batch: int, n: int, out_ptr: int, out_stride: int,
+        algo: str | None = None) -> None:
+    """Launch the solve of ``batch`` matrices ``n x n`` (batch, n >= 1) at ``A.data_ptr()`` with
+    element ``strides`` (batch, row, column) into the rows ``out_stride`` apart at ``out_ptr``,
+    on ``A``'s device and its current stream (``A``: the first matrix's tensor; its dtype and
+    device are the problem's). The launch plan of the problem is made at its first call
+    (:func:`prepare`: compile, load, configure; KernelUnavailable with the reason) and kept."""
+    index = A.get_device()
+    if index < 0:  # not a CUDA tensor (the CPU tests' stand-in): the current device, as device_index
+        index = _current_device()
+    key = (index, n, A.dtype, batch, os.environ.get(variants.ENV), algo)
+    lp = _plans.get(key)
+    if lp is None:
+        lp = _plan_launch(key)
+    work = 0
+    if lp.workspace:  # past shared memory: one n x n matrix per block, in torch's allocator (stream-ordered)
+        ws = torch.empty(lp.workspace, dtype=A.dtype, device=A.device)
+        work = ws.data_ptr()
+    p = _params
+    PARAMS.pack_into(p.block, 0, A.data_ptr(), out_ptr, work, batch, *strides, out_stride)
+    _launch_on(lp.driver, index, lp.kernel, lp.grid, lp.block, lp.smem, p.address)
+
+
+def _plan_launch(key: tuple) -> _Launch:
+    """The launch of ``key``'s problem (:data:`_plans`), made by :func:`prepare` and kept."""
+    index, n, dtype, batch, _, algo = key
+    entry, p = prepare(n, dtype, index, batch=batch, algo=algo)
+    lp = _Launch(_driver(), entry.kernel, (p.grid, 1, 1), (p.variant.threads, 1, 1), p.smem, p.workspace, p)
+    with _lock:
+        if len(_plans) >= PLANS_MAX:
+            _plans.clear()
+        _plans[key] = lp
+    return lp

@@ -29,6 +29,14 @@ zero-copy through ``torch.from_dlpack`` and come back as the input's type throug
 
 ``backend=``, ``BACKENDS`` and ``backends()`` are the deprecated names of ``solver=``,
 :data:`SOLVERS` and :func:`solvers` (``backend`` is the covariance update's word).
+
+The call's own cost: the native solvers run through the custom op ``torch.ops.fastspec.eigvalsh``
+wherever something may trace or intercept the call (``torch.compile``, fake tensors, tensor
+subclasses, dispatch or function modes, functorch transforms). Elsewhere, in plain eager code,
+the op's dispatch would be most of a call's host time and does nothing, so the op's
+implementation is called directly (:func:`_eager`); a CUDA float32/float64 batch that needs no
+gradient takes a shorter path still (:func:`_fast_cuda`): a few attribute reads, then the
+launcher's cached plan (:mod:`.cuda`).
 """
 from __future__ import annotations
 
@@ -101,8 +109,14 @@ def eigvalsh(A: Tensor, *, solver: str = "auto", backend: str | None = None) -> 
     with every solver. ``A`` may also be a DLPack array (CuPy, NumPy, JAX): solved zero-copy on
     its device, returned as the same type and dtype. The native solvers run through
     ``torch.ops.fastspec.eigvalsh`` (a ``torch.library`` custom op with a fake implementation), so
-    this works under ``torch.compile``.
+    this works under ``torch.compile``; a plain eager call skips the op's dispatch (module docstring).
     """
+    # is_compiling first: dynamo folds it to True and never traces the checks behind it
+    if (not torch.compiler.is_compiling() and type(A) is Tensor and A.is_cuda and backend is None
+            and (solver == "auto" or solver == "cuda") and _eager_now()):
+        out = _fast_cuda(A, solver)
+        if out is not None:
+            return out
     if backend is not None:
         if solver != "auto":
             raise TypeError(f"solver, backend: pass solver= alone (backend= is its deprecated name), "
@@ -110,6 +124,60 @@ def eigvalsh(A: Tensor, *, solver: str = "auto", backend: str | None = None) -> 
         _deprecated("backend=", "solver=")
         solver = backend
     return _eigvalsh(A, solver)
+
+
+# each None where this torch lacks it: then no call counts as plain eager (the op always runs)
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
+_function_modes = getattr(torch._C, "_is_torch_function_mode_enabled", None)
+_transforms = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+_jit_tracing = getattr(torch._C, "_get_tracing_state", None)
+
+
+def _eager_now() -> bool:
+    """Whether nothing can trace or intercept a call made now: no dynamo trace, no
+    TorchDispatchMode (FakeTensorMode, functionalization, proxy tracing), no TorchFunctionMode
+    (``with torch.device(...)`` is one), no functorch transform (vmap, grad), no
+    ``torch.jit.trace``. Each check is one C call (torch 2.x's own, as
+    torch.utils._python_dispatch, torch.overrides and torch.jit use them)."""
+    if _dispatch_modes is None or _function_modes is None or _transforms is None or _jit_tracing is None:
+        return False
+    return (not torch.compiler.is_compiling() and not _dispatch_modes() and not _function_modes()
+            and _transforms() is None and _jit_tracing() is None)
+
+
+def _eager(A: Tensor) -> bool:
+    """:func:`_eager_now` for a plain ``torch.Tensor`` ``A`` (not a subclass: not a FakeTensor, a
+    FunctionalTensor or a user's ``__torch_function__`` type) that asks for no gradient: the op's
+    implementation may then be called directly, the op's dispatch skipped. (With a gradient asked
+    for, the op runs: it is what says that the native solvers have no autograd.)"""
+    return type(A) is Tensor and not (A.requires_grad and torch.is_grad_enabled()) and _eager_now()
+
+
+def _fast_cuda(A: Tensor, solver: str) -> Tensor | None:
+    """The common call (``solver`` ``"auto"`` or ``"cuda"``, plain eager CUDA ``A``), decided in a
+    few attribute reads: a float32/float64 batch of square matrices, 1 <= n <= the solver's
+    limit, no gradient asked for, the binding here (a CUDA tensor means a GPU). None for anything
+    else: :func:`_eigvalsh` then decides, raises or falls back as always."""
+    dtype = A.dtype
+    if dtype is not torch.float32 and dtype is not torch.float64:
+        return None
+    shape = A.shape
+    if len(shape) < 2:
+        return None
+    n = shape[-1]
+    if shape[-2] != n or n == 0 or n > (limits.AUTO_MAX_N if solver == "auto" else limits.MAX_N) \
+            or A.requires_grad or not cuda.binding_ok():
+        return None
+    return _solve_cuda(A, strict=solver == "cuda")
+
+
+def _solve_cuda(A: Tensor, strict: bool) -> Tensor:
+    """The op's CUDA implementation called directly; ``strict`` (an explicit ``solver="cuda"``):
+    a kernel that cannot be had raises with its reason instead of falling back to torch."""
+    try:
+        return native.cuda_eigvalsh(A, fallback=not strict)
+    except KernelUnavailable as exc:
+        raise RuntimeError(f"solver: 'cuda' unavailable: {exc}") from None
 
 
 def _eigvalsh(A: Tensor, solver: str) -> Tensor:
@@ -143,6 +211,8 @@ def _eigvalsh(A: Tensor, solver: str) -> Tensor:
         raise RuntimeError(f"solver: {solver!r} unavailable here: {reason}")
     if n == 0 or A.numel() == 0:
         return A.new_empty(A.shape[:-1])
+    if _eager(A):  # nothing traces or intercepts this call: the op's implementation, without its dispatch
+        return _solve_cuda(A, strict=requested == "cuda") if solver == "cuda" else native.host_eigvalsh(A)
     if requested == "cuda":  # not for "auto": the op then falls back to torch (native.cuda_eigvalsh)
         _prepare_cuda(A)
     return torch.ops.fastspec.eigvalsh(A)

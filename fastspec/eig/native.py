@@ -122,18 +122,39 @@ def eigvalsh_op(A: Tensor) -> Tensor:
     return cuda_eigvalsh(A) if A.device.type == "cuda" else host_eigvalsh(A)
 
 
-def cuda_eigvalsh(A: Tensor) -> Tensor:
+def cuda_eigvalsh(A: Tensor, fallback: bool = True) -> Tensor:
     """CUDA kernel: eigenvalues of ``A: [..., n, n]`` (lower triangle), ``[..., n]`` ascending,
     asynchronous on the current stream; torch.linalg when the kernel cannot be had, said once per
-    reason on the ``fastspec`` logger."""
-    A3, out = _flatten(A)
-    if out.numel():
+    reason on the ``fastspec`` logger (``fallback=False``: KernelUnavailable instead, for an
+    explicit ``solver="cuda"``).
+
+    The steady state allocates the output and nothing else, and reads nothing of ``A`` on the
+    host: ``[B, n, n]`` and ``[n, n]`` go to the kernel with their own strides (no view made),
+    other batch shapes through ``reshape`` (a view wherever the strides allow one). Non-finite
+    matrices are the kernel's to flag (a NaN row), not a pass here."""
+    if A.dtype not in DTYPES:
+        raise TypeError(f"A: native eigvalsh takes float32/float64, got {A.dtype}")
+    shape = A.shape
+    n = shape[-1]
+    out = A.new_empty(shape[:-1])  # contiguous: rows n apart
+    dims = len(shape)
+    if dims == 3:
+        A3, batch, strides = A, shape[0], A.stride()
+    elif dims == 2:
+        A3, batch, strides = A, 1, (0, *A.stride())  # one matrix: its batch stride is never used
+    else:
+        batch = math.prod(shape[:-2])
+        A3 = A.reshape(batch, n, n)  # not -1: ambiguous when n == 0
+        strides = A3.stride()
+    if batch and n:
         try:
-            _cuda.launch(A3, out)
+            _cuda.run(A3, strides, batch, n, out.data_ptr(), n)
         except KernelUnavailable as exc:
+            if not fallback:
+                raise
             log_fallback(str(exc))
-            out.copy_(eigvalsh_reference(A3))
-    return out.reshape(A.shape[:-1])
+            out.copy_(eigvalsh_reference(A))
+    return out
 
 
 @eigvalsh_op.register_fake
