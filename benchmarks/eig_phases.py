@@ -182,8 +182,13 @@ def add_model(results: list[dict], sms: int) -> None:
             r["model_ratio_partner"] = pred / r["ms"] if pred else None
 
 
-MODEL_EXTRA: dict[str, dict[str, float]] = {}
-"""Instruction models of algorithms newer than :data:`MODEL`'s measured ones (filled below)."""
+MODEL_EXTRA: dict[str, dict[str, float]] = {
+    # csrc/eig_newton.h's header: packed's load and tridiagonalization, its own eigenvalue stage (4
+    # isolation rounds after the grid, ~4-6 Newton sweeps of 8.9 instructions a step, a scan)
+    "newton": {**MODEL["packed"], "isolate": 16e3, "refine": 28e3, "sort": 3e3},
+}
+"""Instruction models of the algorithms no GPU has run yet (predicted from a measured one's CPI:
+:data:`SHARES`)."""
 
 
 def print_result(r: dict) -> None:

@@ -79,7 +79,8 @@ PYBIND11_MODULE(_host, m) {
         py::arg("stride_col"), py::arg("out_stride_batch"), py::arg("algo") = 0, py::arg("schedule") = 0,
         py::arg("drop") = -1, py::arg("phases") = false);
   m.attr("ALGOS") = py::dict(py::arg("block") = int(fastspec::kAlgoBlock), py::arg("packed") = int(fastspec::kAlgoPacked),
-                             py::arg("regs") = int(fastspec::kAlgoRegs), py::arg("split") = int(fastspec::kAlgoSplit));
+                             py::arg("regs") = int(fastspec::kAlgoRegs), py::arg("split") = int(fastspec::kAlgoSplit),
+                             py::arg("newton") = int(fastspec::kAlgoNewton));
   m.attr("PHASES") = py::dict(py::arg("load") = int(fastspec::kPhaseLoad), py::arg("reflector") = int(fastspec::kPhaseReflector),
                               py::arg("update") = int(fastspec::kPhaseUpdate), py::arg("product") = int(fastspec::kPhaseProduct),
                               py::arg("barrier") = int(fastspec::kPhaseBarrier), py::arg("isolate") = int(fastspec::kPhaseIsolate),

@@ -10,15 +10,17 @@
 #include "eig_packed.h"
 #include "eig_regs.h"
 #include "eig_split.h"
+#include "eig_newton.h"
 
 namespace fastspec {
 
-enum Algo : int { kAlgoBlock = 0, kAlgoPacked = 1, kAlgoRegs = 2, kAlgoSplit = 3, kAlgoCount = 4 };
+enum Algo : int { kAlgoBlock = 0, kAlgoPacked = 1, kAlgoRegs = 2, kAlgoSplit = 3, kAlgoNewton = 4, kAlgoCount = 5 };
 
 FS_HD constexpr int algo_threads(int algo, int n) {
   return algo == kAlgoPacked ? packed_threads(n)
        : algo == kAlgoRegs   ? regs_threads(n)
        : algo == kAlgoSplit  ? split_threads(n)
+       : algo == kAlgoNewton ? newton_threads(n)
                              : block_threads(n);
 }
 
@@ -26,12 +28,17 @@ FS_HD constexpr int64_t algo_smem_elems(int algo, int n) {
   return algo == kAlgoPacked ? packed_smem_elems(n)
        : algo == kAlgoRegs   ? regs_smem_elems(n)
        : algo == kAlgoSplit  ? split_smem_elems(n)
+       : algo == kAlgoNewton ? newton_smem_elems(n)
                              : block_smem_elems(n);
 }
 
 // Largest n an algorithm's team and data layout take (shared memory is the launcher's check).
 FS_HD constexpr int algo_max_n(int algo) {
-  return algo == kAlgoPacked ? kPackedMaxN : algo == kAlgoRegs ? kRegsMaxN : algo == kAlgoSplit ? kSplitMaxN : kMaxN;
+  return algo == kAlgoPacked ? kPackedMaxN
+       : algo == kAlgoRegs   ? kRegsMaxN
+       : algo == kAlgoSplit  ? kSplitMaxN
+       : algo == kAlgoNewton ? kNewtonMaxN
+                             : kMaxN;
 }
 
 // The kernel's choice, at compile time: only the chosen algorithm is instantiated.
@@ -40,6 +47,7 @@ FS_HD void algo_eigvalsh_one(const Team& team, const Real* in, int64_t sr, int64
   if constexpr (A == kAlgoPacked) packed_eigvalsh_one(team, in, sr, sc, n, out, smem);
   else if constexpr (A == kAlgoRegs) regs_eigvalsh_one(team, in, sr, sc, n, out, smem);
   else if constexpr (A == kAlgoSplit) split_eigvalsh_one(team, in, sr, sc, n, out, smem);
+  else if constexpr (A == kAlgoNewton) newton_eigvalsh_one(team, in, sr, sc, n, out, smem);
   else block_eigvalsh_one(team, in, sr, sc, n, out, smem);
 }
 
@@ -51,6 +59,7 @@ FS_HD void algo_eigvalsh_one(int algo, const Team& team, const Real* in, int64_t
     case kAlgoPacked: packed_eigvalsh_one(team, in, sr, sc, n, out, smem); break;
     case kAlgoRegs: regs_eigvalsh_one(team, in, sr, sc, n, out, smem); break;
     case kAlgoSplit: split_eigvalsh_one(team, in, sr, sc, n, out, smem); break;
+    case kAlgoNewton: newton_eigvalsh_one(team, in, sr, sc, n, out, smem); break;
     default: block_eigvalsh_one(team, in, sr, sc, n, out, smem); break;
   }
 }

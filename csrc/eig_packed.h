@@ -26,7 +26,8 @@
 //       (c, r) in column r: consecutive c = consecutive addresses); p_c = tau2 (col + row), own.
 //   4 barriers per reflector (2 reductions + 2 FS_SYNC) vs 6 for block. d[j] stays in place at
 //   (j, j), e[j] = beta is written at (j + 1, j); the last reflector's update of the trailing
-//   2 x 2 block is applied by the members gathering d and e. Then bisect_all (eig_core.h).
+//   2 x 2 block is applied by the members gathering d and e. Then bisect_all (eig_core.h); eig_newton.h
+//   runs all of the above (packed_eigvalsh_with) with an eigenvalue stage of its own.
 //   Load: member c reads rows [32w, n) of its column, lower part only (a warp reads one row's 32
 //   consecutive columns: coalesced), stores the lower part and the diagonal block's mirror; max
 //   |a| and finiteness; exact 2^-e scaling pass. NaN/Inf -> all NaN; zero -> zeros (as block).
@@ -271,9 +272,22 @@ FS_PRAGMA(unroll 2)
   return tau;
 }
 
-// One matrix: in [n, n] (strides sr, sc; lower triangle read) -> out[0..n-1] ascending.
-template <class Team, class Real>
-FS_HD void packed_eigvalsh_one(const Team& team, const Real* in, int64_t sr, int64_t sc, int n, Real* out, Real* smem) {
+// The eigenvalue stage of packed_eigvalsh_one: eig_core.h's bisect_all, then the scaling back.
+// Stage::run(team, n, wk, ex, out): T in wk (d in w's place and e in p's, complete and visible to the
+// team; e[n - 1] not written; the dead triangle free for the stage's vectors: wk.v, .w, .v2, .p2,
+// bisect_all's layout) -> out[0..n-1] ascending, times 2^ex. eig_newton.h brings another.
+struct PackedBisect {
+  template <class Team, class Real>
+  static FS_HD void run(const Team& team, int n, const Work<Real>& wk, int ex, Real* out) {
+    bisect_all(team, n, wk);
+    for (int i = team.rank(); i < n; i += team.size()) out[i] = Num<Real>::ldexp_(wk.d[i], ex);
+  }
+};
+
+// One matrix: in [n, n] (strides sr, sc; lower triangle read) -> out[0..n-1] ascending; the
+// eigenvalue stage is Stage's (PackedBisect here, eig_newton.h's NewtonStage for "newton").
+template <class Stage, class Team, class Real>
+FS_HD void packed_eigvalsh_with(const Team& team, const Real* in, int64_t sr, int64_t sc, int n, Real* out, Real* smem) {
   using namespace packed_detail;
   const int c = team.rank();
   const int64_t n4 = round_up4(n);
@@ -326,12 +340,16 @@ FS_HD void packed_eigvalsh_one(const Team& team, const Real* in, int64_t sr, int
     wk.d[c] = dd;
     if (c + 1 < n) wk.e[c] = ee;  // p[c], after this member's last read of it
   }
-  FS_SYNC(team);  // d, e complete; the triangle no longer read (bisect_all's vectors overwrite it)
-  bisect_all(team, n, wk);
-  for (int i = c; i < n; i += team.size()) out[i] = Num<Real>::ldexp_(wk.d[i], ex);
+  FS_SYNC(team);  // d, e complete; the triangle no longer read (the stage's vectors overwrite it)
+  Stage::run(team, n, wk, ex, out);
   FS_PHASE(team, kPhaseEnd);
   // no barrier: the next matrix writes u, p and the triangle before its first reduction, none of
   // which holds d (read here) or anything bisect_all reads after its last barrier
+}
+
+template <class Team, class Real>
+FS_HD void packed_eigvalsh_one(const Team& team, const Real* in, int64_t sr, int64_t sc, int n, Real* out, Real* smem) {
+  packed_eigvalsh_with<PackedBisect>(team, in, sr, sc, n, out, smem);
 }
 
 }  // namespace fastspec

@@ -184,7 +184,7 @@ def test_every_algorithm_on_the_battery(algo, dtype, n):
             assert (ok.cpu() - ref).abs().max() <= n * EPS64 * ref.abs().max(), family
 
 
-@pytest.mark.parametrize("algo", ["block", "packed", "regs", "split"])
+@pytest.mark.parametrize("algo", ["block", "packed", "regs", "split", "newton"])
 def test_profiling_build_marks_what_the_emulation_marks(algo):
     """The profiling build (fastspec/eig/profile.py) on the GPU: the same results as the normal
     kernel, and member 0's record of each block is exactly the team emulation's phase sequence,

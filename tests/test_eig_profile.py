@@ -46,9 +46,11 @@ def test_phase_ids_are_the_headers():
 
 # per reflector, the phases each algorithm's header describes; regs runs its fused pass first
 PER_REFLECTOR = {"block": ["reflector", "update"], "packed": ["reflector", "update", "product"],
-                 "regs": ["update", "reflector"], "split": ["reflector", "update"]}
-REFLECTORS = {"block": lambda n: n - 2, "packed": lambda n: n - 2, "regs": lambda n: n - 1, "split": lambda n: n - 2}
-TAIL = {"block": ["reflector"], "packed": ["reflector"], "regs": [], "split": ["reflector"]}
+                 "regs": ["update", "reflector"], "split": ["reflector", "update"],
+                 "newton": ["reflector", "update", "product"]}  # newton: packed's tridiagonalization
+REFLECTORS = {"block": lambda n: n - 2, "packed": lambda n: n - 2, "regs": lambda n: n - 1, "split": lambda n: n - 2,
+              "newton": lambda n: n - 2}
+TAIL = {"block": ["reflector"], "packed": ["reflector"], "regs": [], "split": ["reflector"], "newton": ["reflector"]}
 
 
 @_eig_team.NO_EXT

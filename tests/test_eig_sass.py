@@ -135,7 +135,7 @@ def test_every_algorithm_compiles_without_spills_within_its_launch_bounds(build,
     from fastspec.eig import precompile
 
     work = precompile.todo(90, list(sizes), ["float32", "float64"], ["all"])
-    assert {a for *_, a in work} == {"block", "packed", "regs", "split"}
+    assert {a for *_, a in work} == {"block", "packed", "regs", "split", "newton"}
     for _, dtype, n, algo in work:
         if algo == "block":
             continue  # test_no_spills_and_registers_within_launch_bounds

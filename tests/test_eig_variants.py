@@ -114,8 +114,8 @@ def test_the_override_forces_where_it_applies(monkeypatch, caplog):
     assert said == [("fastspec.eigvalsh: FASTSPEC_EIG_VARIANT=split does not apply to float64 n = 256 (it takes "
                      "float32/float64, n <= 128); using the selection table there")]
     monkeypatch.setenv(variants.ENV, "fastest")
-    with pytest.raises(ValueError, match=r"^FASTSPEC_EIG_VARIANT: expected one of \['block', 'packed', 'regs', "
-                                         r"'split'\], got 'fastest'$"):
+    with pytest.raises(ValueError, match=r"^FASTSPEC_EIG_VARIANT: expected one of \['block', 'newton', 'packed', "
+                                         r"'regs', 'split'\], got 'fastest'$"):
         variants.choose(90, "float32", 128, 4096, rows=[])
 
 

@@ -20,7 +20,7 @@ import time
 from .. import _args
 
 DTYPES = ("float32", "float64")  # fastspec.eig.cuda.ITEMSIZE's keys, here so --help imports no torch
-ALGOS = ("all", "block", "packed", "regs", "split")  # fastspec.eig.variants.ALGORITHMS (tests check), likewise
+ALGOS = ("all", "block", "packed", "regs", "split", "newton")  # fastspec.eig.variants.ALGORITHMS (tests check), likewise
 
 
 def _arch(text: str) -> int:

@@ -72,7 +72,7 @@ def csrc_dir() -> Path:
 CSRC = csrc_dir()
 KERNEL_SOURCE = "eig_kernel.cu"
 # the headers the kernel includes (eig_host.h is the host twin's): the core and every algorithm
-HEADERS = ("eig_core.h", "eig_algos.h", "eig_packed.h", "eig_regs.h", "eig_split.h")
+HEADERS = ("eig_core.h", "eig_algos.h", "eig_packed.h", "eig_regs.h", "eig_split.h", "eig_newton.h")
 ENTRY = "fastspec_eigvalsh"  # the kernel's extern "C" name
 FORMAT = b"fastspec-eig-image-1\n"  # first line of every cache file; a new format is a new key
 OPTIONS = ("-std=c++17", "--generate-line-info")  # line info: Nsight Compute's source view; no cost

@@ -14,6 +14,10 @@ against the C++ formulas by ``tests/test_eig_variants.py``:
 * ``split``: two threads per column of the block layout and two bisection points per eigenvalue
   (``eig_split.h``): for small batches (one wave, e.g. the probe's float64 keys solve), where
   the latency of one matrix, not the throughput of many, sets the time.
+* ``newton``: packed's tridiagonalization, then a faster eigenvalue stage (``eig_newton.h``): team-wide
+  isolation rounds and a safeguarded Newton iteration on det(T - xI) per eigenvalue, a few Sturm
+  sweeps each instead of bisection's ~18 (float32) / ~47 (float64), every bracket end still
+  certified by a count.
 
 Which algorithm runs is :func:`choose`'s answer, from the table ``selection.json`` beside this
 file (rows keyed by GPU arch, dtype, n range and batch range, each written by a measurement: the
@@ -116,6 +120,8 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     Algorithm("packed", 1, ("float32", "float64"), 256, packed_smem_elems, registers32=96),
     Algorithm("regs", 2, ("float32",), 128, regs_smem_elems, per_column=2),
     Algorithm("split", 3, ("float32", "float64"), 128, split_smem_elems, per_column=2),
+    # newton: packed's layout, team and memory; its own eigenvalue stage
+    Algorithm("newton", 4, ("float32", "float64"), 256, packed_smem_elems, registers32=96),
 )}
 """Every algorithm, by name; ids are eig_algos.h's ``Algo`` (tests check them equal)."""
 
