@@ -53,7 +53,7 @@ def test_every_header_the_kernel_includes_is_compiled_and_shipped():
     assert set(nvrtc.sources()) == {nvrtc.KERNEL_SOURCE, *headers}
     from fastspec.commands import precompile as command
 
-    assert set(command.ALGOS) == {"all", *variants.ALGORITHMS}
+    assert set(command.ALGOS) == {"all", *variants.names()}
 
 
 def test_the_shipped_table_loads_and_block_is_the_default():
@@ -114,7 +114,7 @@ def test_the_override_forces_where_it_applies(monkeypatch, caplog):
     assert said == [("fastspec.eigvalsh: FASTSPEC_EIG_VARIANT=split does not apply to float64 n = 256 (it takes "
                      "float32/float64, n <= 128); using the selection table there")]
     monkeypatch.setenv(variants.ENV, "fastest")
-    with pytest.raises(ValueError, match=r"^FASTSPEC_EIG_VARIANT: expected one of \['block', 'newton', 'packed', "
+    with pytest.raises(ValueError, match=r"^FASTSPEC_EIG_VARIANT: expected one of \['block', 'cusolverdx', 'newton', 'packed', "
                                          r"'regs', 'split'\], got 'fastest'$"):
         variants.choose(90, "float32", 128, 4096, rows=[])
 

@@ -20,7 +20,7 @@ import time
 from .. import _args
 
 DTYPES = ("float32", "float64")  # fastspec.eig.cuda.ITEMSIZE's keys, here so --help imports no torch
-ALGOS = ("all", "block", "packed", "regs", "split", "newton")  # fastspec.eig.variants.ALGORITHMS (tests check), likewise
+ALGOS = ("all", "block", "packed", "regs", "split", "newton", "cusolverdx")  # fastspec.eig.variants.names() (tests check), likewise
 
 
 def _arch(text: str) -> int:
@@ -69,8 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n", type=_size, nargs="+", default=[64, 128, 256], help="matrix sizes (default 64 128 256)")
     p.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=DTYPES)
     p.add_argument("--algo", nargs="+", default=["block"], choices=ALGOS,
-                   help="the kernel's algorithms (fastspec/eig/variants.py); 'all': every one that takes the size "
-                        "(default: block)")
+                   help="the kernel's algorithms (fastspec/eig/variants.py); 'all': every one of fastspec's own "
+                        "that takes the size; 'cusolverdx': NVIDIA cuSolverDx's heev, generated and linked (needs "
+                        "the fastspec[mathdx] extra) (default: block)")
     p.add_argument("--cov-d", type=_cov_d, nargs="*", default=[64, 128], metavar="D",
                    help="head widths of the exact covariance update's Gram kernel (csrc/cov_gram.cu), every input "
                         "dtype; an empty list compiles none (default: 64 128)")
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
               f"{len(cov_todo(args.arch, args.cov_d))} covariance Gram kernels")
         t0 = time.perf_counter()
         done = precompile(args.arch, args.n, args.dtype, args.jobs, args.algo, args.cov_d)
-    except KernelUnavailable as exc:
+    except (KernelUnavailable, ValueError) as exc:  # ValueError: cusolverdx asked for where it cannot be built
         print(f"fastspec: {exc}", file=sys.stderr)
         return 1
     for tag, origin, seconds in done:

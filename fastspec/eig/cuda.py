@@ -94,9 +94,11 @@ def variant_for(n: int, dtype: str, spec: DeviceSpec, algo: str = "block") -> Va
     algorithm takes every n: past shared memory, its matrix goes to a global workspace)."""
     if not 1 <= n <= MAX_N:
         raise ValueError(f"n: must be in [1, {MAX_N}], got {n}")
+    if algo in variants.EXTERNAL:
+        return _external_variant(n, dtype, spec, algo)
     a = variants.ALGORITHMS.get(algo)
     if a is None:
-        raise ValueError(f"algo: expected one of {sorted(variants.ALGORITHMS)}, got {algo!r}")
+        raise ValueError(f"algo: expected one of {sorted(variants.names())}, got {algo!r}")
     if not a.takes(n, dtype):
         raise ValueError(f"algo: {algo!r} takes {'/'.join(a.dtypes)} with n <= {a.max_n}, got {dtype} n = {n}")
     smem = smem_bytes(n, dtype, True, algo) <= spec.smem_optin
@@ -112,6 +114,33 @@ def variant_for(n: int, dtype: str, spec: DeviceSpec, algo: str = "block") -> Va
     # at 64-93 registers NVRTC 13.0 spills the block algorithm: float32 n = 64 and n = 240 for
     # sm_90, float64 at most sizes), 96 for packed float32
     return Variant(dtype, n, smem, threads, max(1, min(resident, 65536 // (threads * a.registers(dtype)))), algo)
+
+
+def _external_variant(n: int, dtype: str, spec: DeviceSpec, algo: str) -> Variant:
+    """cuSolverDx's heev (:mod:`.mathdx`) as a variant: its block size and matrices per block, as
+    cuSolverDx suggests them; ValueError when it cannot be built here (the ``fastspec[mathdx]``
+    extra absent, NVRTC or nvJitLink missing) or its shared memory does not fit this GPU."""
+    from . import mathdx  # noqa: PLC0415 - only for this algorithm: loads libmathdx
+
+    if not variants.takes(algo, n, dtype):
+        raise ValueError(f"algo: {algo!r} takes {'/'.join(variants.EXTERNAL[algo])}, got {dtype}")
+    why = mathdx.missing()
+    if why:
+        raise ValueError(f"algo: {algo!r} cannot be built here: {why}")
+    try:
+        h = mathdx.describe(n, dtype, spec.cc)
+    except KernelUnavailable as exc:
+        raise ValueError(f"algo: {algo!r}: {exc}") from None
+    if h.smem + mathdx.STATIC_SMEM > spec.smem_optin:
+        raise ValueError(f"algo: {algo!r} needs {h.smem + mathdx.STATIC_SMEM} bytes of shared memory for {dtype} "
+                         f"n = {n}, sm_{spec.cc} gives a block {spec.smem_optin}")
+    return Variant(dtype, n, True, h.threads, 1, algo, h.per_block)
+
+
+def _external_smem(v: Variant, spec: DeviceSpec) -> int:
+    from . import mathdx  # noqa: PLC0415
+
+    return mathdx.describe(v.n, v.dtype, spec.cc).smem
 
 
 @dataclass(frozen=True)
@@ -143,6 +172,8 @@ def plan(batch: int, n: int, dtype: str, spec: DeviceSpec, algo: str | None = No
         v, why = choose_variant(batch, n, dtype, spec)
     else:
         v, why = variant_for(n, dtype, spec, algo), f"asked for {algo}"
+    if v.algo in variants.EXTERNAL:  # per_block matrices per block, all in shared memory
+        return Plan(v, _external_smem(v, spec), min(-(-batch // v.per_block), 2**31 - 1), 0, why)
     grid = min(batch, 2**31 - 1) if v.smem else min(batch, 4 * spec.sms)
     return Plan(v, smem_bytes(n, dtype, v.smem, v.algo), grid, 0 if v.smem else grid * n * n, why)
 
@@ -315,6 +346,15 @@ def _ensure_context(driver, index: int) -> None:
 
 
 def _load(driver, variant: Variant, target: nvrtc.Target) -> _Loaded:
+    if variant.algo in variants.EXTERNAL:  # cuSolverDx's heev: generated, compiled and linked (mathdx.py)
+        from . import mathdx  # noqa: PLC0415
+
+        if target.ptx:
+            raise KernelUnavailable(f"cuSolverDx heev is linked into a cubin: this NVRTC cannot target "
+                                    f"the GPU (PTX for {target.name})")
+        built = mathdx.build(variant.n, variant.dtype, target.arch)
+        lib, kernels = _load_image(driver, built.image(), (mathdx.ENTRY,), "cuSolverDx heev")
+        return _Loaded(kernels[mathdx.ENTRY], lib, set())
     image = nvrtc.compile_variant(variant, target)
     lib, kernels = _load_image(driver, image, (nvrtc.ENTRY,), "the compiled eigensolver")
     return _Loaded(kernels[nvrtc.ENTRY], lib, set())
@@ -478,13 +518,19 @@ def launch_args(in_ptr: int, out_ptr: int, work_ptr: int, batch: int, strides: t
             *(ctypes.c_longlong(v) for v in (batch, sb, sr, sc, out_stride))]
 
 
-def launch(A3: Tensor, out: Tensor, algo: str | None = None) -> None:
+def launch(A3: Tensor, out: Tensor, algo: str | None = None, status: Tensor | None = None) -> None:
     """Eigenvalues of ``A3: [B, n, n]`` (lower triangle, B and n >= 1, any strides) into
     ``out: [B, n]`` (ascending, contiguous rows), asynchronous on the current stream of their
     device; float32/float64. ``algo``: an algorithm of :mod:`.variants` (the race times each),
-    else the one the selection table picks."""
+    else the one the selection table picks. ``status``: an int32 ``[B]`` tensor that cuSolverDx's
+    heev (``algo="cusolverdx"``) fills with its per-matrix status (0: solved; -1: non-finite input;
+    > 0: its iteration did not converge); the other algorithms take none."""
     B, n = out.shape
-    run(A3, A3.stride(), B, n, out.data_ptr(), out.stride(0), algo)
+    if status is not None and (algo not in variants.EXTERNAL or status.dtype != torch.int32
+                               or tuple(status.shape) != (B,) or not status.is_contiguous()):
+        raise ValueError(f"status: a contiguous int32 [{B}] tensor, with algo='cusolverdx' only; got "
+                         f"{status.dtype} {tuple(status.shape)} with algo={algo!r}")
+    run(A3, A3.stride(), B, n, out.data_ptr(), out.stride(0), algo, 0 if status is None else status.data_ptr())
 
 
 # --- the steady-state launch ---------------------------------------------------------------------
@@ -532,12 +578,13 @@ _params = _Params()
 
 
 def run(A: Tensor, strides: tuple[int, int, int], batch: int, n: int, out_ptr: int, out_stride: int,
-        algo: str | None = None) -> None:
+        algo: str | None = None, status_ptr: int = 0) -> None:
     """Launch the solve of ``batch`` matrices ``n x n`` (batch, n >= 1) at ``A.data_ptr()`` with
     element ``strides`` (batch, row, column) into the rows ``out_stride`` apart at ``out_ptr``,
     on ``A``'s device and its current stream (``A``: the first matrix's tensor; its dtype and
     device are the problem's). The launch plan of the problem is made at its first call
-    (:func:`prepare`: compile, load, configure; KernelUnavailable with the reason) and kept."""
+    (:func:`prepare`: compile, load, configure; KernelUnavailable with the reason) and kept.
+    ``status_ptr``: cuSolverDx's heev's int32 status per matrix (:func:`launch`), 0 for none."""
     index = A.get_device()
     if index < 0:  # not a CUDA tensor (the CPU tests' stand-in): the current device, as device_index
         index = _current_device()
@@ -545,7 +592,7 @@ def run(A: Tensor, strides: tuple[int, int, int], batch: int, n: int, out_ptr: i
     lp = _plans.get(key)
     if lp is None:
         lp = _plan_launch(key)
-    work = 0
+    work = status_ptr  # the third pointer: fastspec's workspace, heev's status (csrc/cusolverdx_heev.cu)
     if lp.workspace:  # past shared memory: one n x n matrix per block, in torch's allocator (stream-ordered)
         ws = torch.empty(lp.workspace, dtype=A.dtype, device=A.device)
         work = ws.data_ptr()

@@ -108,6 +108,7 @@ class Variant:
     threads: int      # block size: round_up(n, 32), at most limits.MAX_THREADS
     min_blocks: int   # resident blocks per SM the register budget is sized for (launch bounds)
     algo: str = "block"  # the algorithm (fastspec/eig/variants.py, eig_algos.h)
+    per_block: int = 1  # matrices per block: 1 but for cuSolverDx's heev (variants.EXTERNAL, mathdx.py)
 
     def defines(self) -> list[str]:
         from .variants import ALGORITHMS  # noqa: PLC0415 - variants imports nothing of this module

@@ -125,6 +125,30 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
 )}
 """Every algorithm, by name; ids are eig_algos.h's ``Algo`` (tests check them equal)."""
 
+EXTERNAL: dict[str, tuple[str, ...]] = {"cusolverdx": ("float32", "float64")}
+"""Algorithms built from vendor code rather than this kernel's sources, by name, with the dtypes
+they take: ``cusolverdx`` is NVIDIA cuSolverDx's ``heev`` in a wrapper with this kernel's launch
+contract (:mod:`.mathdx`; the ``fastspec[mathdx]`` extra). The race times them beside
+:data:`ALGORITHMS` and the table may pick them; where one cannot be built (the extra absent) or its
+shared memory does not fit, the launcher takes the next choice."""
+
+
+def known(name: str) -> bool:
+    """Whether ``name`` is an algorithm of :data:`ALGORITHMS` or :data:`EXTERNAL`."""
+    return name in ALGORITHMS or name in EXTERNAL
+
+
+def takes(name: str, n: int, dtype: str) -> bool:
+    """Whether algorithm ``name`` takes ``n x n`` ``dtype`` matrices (shared memory aside)."""
+    if name in EXTERNAL:
+        return dtype in EXTERNAL[name] and 1 <= n <= MAX_N
+    return ALGORITHMS[name].takes(n, dtype)
+
+
+def names() -> list[str]:
+    """Every algorithm's name: :data:`ALGORITHMS`, then :data:`EXTERNAL`."""
+    return [*ALGORITHMS, *EXTERNAL]
+
 
 # --- which algorithm runs where ------------------------------------------------------------------
 
@@ -178,8 +202,8 @@ def check_rows(rows: list[Row]) -> None:
     """ValueError naming the first row that names an unknown algorithm or dtype, or an empty range."""
     for i, r in enumerate(rows):
         what = f"selection row {i} ({r.to_json()})"
-        if r.algo not in ALGORITHMS:
-            raise ValueError(f"{what}: algo must be one of {sorted(ALGORITHMS)}")
+        if not known(r.algo):
+            raise ValueError(f"{what}: algo must be one of {sorted(names())}")
         if r.dtype not in ("float32", "float64"):
             raise ValueError(f"{what}: dtype must be float32 or float64")
         if not (1 <= r.n_lo <= r.n_hi) or r.batch_lo < 1 or (r.batch_hi is not None and r.batch_hi < r.batch_lo):
@@ -219,16 +243,17 @@ def choose(arch: int, dtype: str, n: int, batch: int, rows: list[Row] | None = N
     out: list[Choice] = []
     forced = os.environ.get(ENV, "").strip()
     if forced:
-        if forced not in ALGORITHMS:
-            raise ValueError(f"{ENV}: expected one of {sorted(ALGORITHMS)}, got {forced!r}")
-        a = ALGORITHMS[forced]
-        if a.takes(n, dtype):
+        if not known(forced):
+            raise ValueError(f"{ENV}: expected one of {sorted(names())}, got {forced!r}")
+        if takes(forced, n, dtype):
             out.append(Choice(forced, f"forced by {ENV}={forced}", True))
         else:
-            say_once(f"{ENV}={forced} does not apply to {dtype} n = {n} (it takes {'/'.join(a.dtypes)}, "
-                      f"n <= {a.max_n}); using the selection table there")
+            a = ALGORITHMS.get(forced)
+            dtypes, max_n = (a.dtypes, a.max_n) if a is not None else (EXTERNAL[forced], MAX_N)
+            say_once(f"{ENV}={forced} does not apply to {dtype} n = {n} (it takes {'/'.join(dtypes)}, "
+                      f"n <= {max_n}); using the selection table there")
     row = next((r for r in (load_table() if rows is None else rows)
-                if r.matches(arch, dtype, n, batch) and ALGORITHMS[r.algo].takes(n, dtype)), None)
+                if r.matches(arch, dtype, n, batch) and takes(r.algo, n, dtype)), None)
     if row is not None:
         out.append(Choice(row.algo, row.describe()))
     out.append(Choice(DEFAULT, "default" if row is not None else
