@@ -18,6 +18,12 @@ GPU is
   ``2 × torch fp32 error + 8·eps32·‖A‖`` for float32 and ``n·eps64·‖A‖`` for float64 (the tests'
   criterion), reported as worst and mean; ``ok`` when every ratio is at most 1.
 
+Beside fastspec's own algorithms races ``cusolverdx``: NVIDIA cuSolverDx's ``heev`` built for the shape
+(``fastspec/eig/mathdx.py``; the ``fastspec[mathdx]`` extra, which the GPU kit carries as a wheel),
+timed and checked the same way, and ``ok`` only if, besides, its status word is 0 for every matrix
+of the checks (a matrix its QR iteration did not converge on cannot win). Where it cannot be built
+or does not fit shared memory, ``not_raced`` says why.
+
 The winner of a shape is the fastest algorithm that is ``ok``; its row (arch, dtype, the n and
 batch ranges the shape stands for, the algorithm, and the times of all of them) goes to the JSON's
 ``rows``, ready for ``--merge``, which replaces the table's rows of the same key (except where the
@@ -25,8 +31,10 @@ table's algorithm ties with the winner: repeat ranges that overlap) and refuses 
 The JSON is rewritten after every shape: a run stopped by its time limit or a signal keeps what
 it finished.
 
-``--dry-run``: CPU at tiny sizes, so this file cannot rot where no GPU exists (CI runs it). Each
-algorithm runs as the team emulation (``fastspec.eig.native.team_eigvalsh``: its own code, on
+``--dry-run``: CPU at tiny sizes, so this file cannot rot where no GPU exists (CI runs it). The
+``cusolverdx`` row is generated, compiled and linked for sm_90 at the shape's n (what the GPU run
+loads), and not run: nothing emulates it; its entry says what was built. Each of fastspec's
+algorithms runs as the team emulation (``fastspec.eig.native.team_eigvalsh``: its own code, on
 host threads) and its time is the emulation's: a stand-in, labelled as such in the JSON, that says
 nothing about GPU speed. The dry run's rows are marked ``dry_run`` and cannot be merged. With
 ``--real-n`` the dry run keeps each shape's own n (batches of 2, a battery of 4 per family):
@@ -94,8 +102,35 @@ def dry_shape(s: Shape, real_n: bool = False) -> Shape:
 
 
 # ------------------------------------------------------------------------------------ solving
+class HeevSolve:
+    """``A -> eigenvalues`` by cuSolverDx's heev, its int32 status per matrix kept while
+    ``checking`` (the timed calls read nothing back: no sync)."""
+
+    def __init__(self) -> None:
+        self.checking = False
+        self.statuses: list[torch.Tensor] = []
+
+    def __call__(self, A: torch.Tensor) -> torch.Tensor:
+        from fastspec.eig import cuda
+
+        out = torch.empty(A.shape[:2], dtype=A.dtype, device=A.device)
+        status = torch.empty(A.shape[0], dtype=torch.int32, device=A.device)
+        cuda.launch(A, out, algo="cusolverdx", status=status)
+        if self.checking:
+            self.statuses.append(status)
+        return out
+
+    def failures(self) -> int:
+        """Matrices of the checks whose status was not 0."""
+        return sum(int((s != 0).sum()) for s in self.statuses)
+
+
 def solver(algo: str, dry: bool):
     """``A -> eigenvalues`` by algorithm ``algo``: the CUDA kernel forced to it, or its emulation."""
+    from fastspec.eig import variants
+
+    if algo in variants.EXTERNAL:
+        return HeevSolve()
     if dry:
         from fastspec.eig.native import team_eigvalsh
 
@@ -115,8 +150,9 @@ def candidates(shape: Shape, spec) -> tuple[list[str], dict[str, str]]:
     from fastspec.eig import cuda, variants
 
     ok, why_not = [], {}
-    for name, a in variants.ALGORITHMS.items():
-        if not a.takes(shape.n, shape.dtype):
+    for name in variants.names():
+        a = variants.ALGORITHMS.get(name)
+        if a is not None and not a.takes(shape.n, shape.dtype):
             why_not[name] = f"takes {'/'.join(a.dtypes)} with n <= {a.max_n}"
             continue
         try:
@@ -173,9 +209,14 @@ def race_shape(shape: Shape, device: torch.device, spec, dry: bool, deadline: fl
     from fastspec.bench.case import max_rel_err
     from fastspec.bench.suites.eigvalsh import powerlaw_gram
     from fastspec.bench.timing import measure_interleaved
+    from fastspec.eig import variants
 
     dtype = getattr(torch, shape.dtype)
     names, why_not = candidates(shape, spec)
+    built = {}
+    if dry:  # nothing emulates the vendor's code: built for sm_90 at this n, not run
+        built = {name: dry_build(name, shape) for name in names if name in variants.EXTERNAL}
+        names = [name for name in names if name not in built]
     A = powerlaw_gram(shape.batch, shape.n, device, dtype)
     k = min(shape.batch, REF_MATRICES)
     ref = torch.linalg.eigvalsh(A[:k].double().cpu())
@@ -190,14 +231,36 @@ def race_shape(shape: Shape, device: torch.device, spec, dry: bool, deadline: fl
     out = {"shape": shape.name, "dtype": shape.dtype, "n": shape.n, "batch": shape.batch, "why": shape.why,
            "torch_rel_err": torch_err, "not_raced": why_not, "algorithms": {}}
     for (name, solve), t in zip(solves.items(), timings):
+        if isinstance(solve, HeevSolve):
+            solve.checking = True
         err = max_rel_err(solve(A[:k]).cpu(), ref)
         bat = hard.check(solve, device)
         out["algorithms"][name] = {"ms": t.median * 1e3, "ms_min": t.min * 1e3, "ms_max": t.max * 1e3,
                                    "repeats": t.repeats, "us_per_matrix": t.median * 1e6 / shape.batch,
                                    "rel_err": err, "battery": bat, "ok": bat["ok"]}
+        if isinstance(solve, HeevSolve):  # a status word != 0 (not converged, non-finite) cannot win
+            failures = solve.failures()
+            out["algorithms"][name].update(status_failures=failures, ok=bat["ok"] and failures == 0)
+    for name, b in built.items():
+        out["algorithms"][name] = {"ms": None, "ok": False, "dry_run_build": b,
+                                   "why": "dry run: built for sm_90, not run (nothing emulates it)"}
     passing = {n: a["ms"] for n, a in out["algorithms"].items() if a["ok"]}
     out["winner"] = min(passing, key=passing.get) if passing else None
     return out
+
+
+def dry_build(name: str, shape: Shape) -> dict:
+    """A dry run's vendor row: built (generated, compiled, linked) for sm_90 at the shape's n, or why not."""
+    from fastspec.eig import mathdx
+
+    try:
+        b = mathdx.build(shape.n, shape.dtype, 90)
+    except Exception as exc:  # noqa: BLE001 - said in the row: the race goes on without it
+        return {"built": False, "error": f"{type(exc).__name__}: {exc}"}
+    h = b.heev
+    return {"built": True, "arch": 90, "n": h.n, "threads": h.threads, "per_block": h.per_block,
+            "workspace": h.workspace, "smem": h.smem, "registers": b.registers, "cubin_bytes": len(b.cubin),
+            "cusolverdx": h.version, "origin": b.origin, "seconds": round(b.seconds, 3)}
 
 
 def table_row(result: dict, shape: Shape, arch: int, device_name: str, date: str, dry: bool) -> dict | None:
@@ -257,14 +320,27 @@ def run(json_path: Path, time_limit: float | None, dry: bool, real_n: bool = Fal
         if row is not None:
             doc["rows"].append(row)
         write()
-        times = "  ".join(f"{n} {a['ms']:.3f} ms{'' if a['ok'] else ' (FAILS accuracy)'}"
-                          for n, a in sorted(res["algorithms"].items(), key=lambda kv: kv[1]["ms"]))
+        times = "  ".join(_says(n, a) for n, a in sorted(res["algorithms"].items(),
+                                                          key=lambda kv: math.inf if kv[1]["ms"] is None else kv[1]["ms"]))
         print(f"{s.name}: winner {res['winner']}  {times}  [{time.monotonic() - t0:.1f}s]", flush=True)
     write()  # the shapes not run, too
-    failed = [(r["shape"], n) for r in doc["results"] for n, a in r["algorithms"].items() if not a["ok"]]
+    # a dry run's vendor row fails only when it could not be built (it is never run there)
+    failed = [(r["shape"], n) for r in doc["results"] for n, a in r["algorithms"].items()
+              if not a["ok"] and (a["ms"] is not None or not a["dry_run_build"]["built"])]
     for shape_name, name in failed:
         print(f"accuracy: {name} fails the bound on {shape_name}", flush=True)
     return 1 if failed else 0
+
+
+def _says(name: str, a: dict) -> str:
+    """One algorithm's part of a shape's line."""
+    if a["ms"] is None:
+        b = a.get("dry_run_build") or {}
+        return (f"{name} built for sm_90 ({b.get('threads')} threads, {b.get('registers')} registers, "
+                f"{b.get('smem')} B shared), not run" if b.get("built") else f"{name} NOT BUILT ({b.get('error')})")
+    extra = "" if a["ok"] else " (FAILS accuracy)" if a.get("status_failures", 0) == 0 else \
+        f" (status != 0 on {a['status_failures']} matrices)"
+    return f"{name} {a['ms']:.3f} ms{extra}"
 
 
 def tie(result: dict | None, winner: str, other: str) -> bool:

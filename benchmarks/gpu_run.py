@@ -5,6 +5,7 @@
     python benchmarks/gpu_run.py 3 OUT          # extra, when the lease has time left: key rank, sanitizers, compiled step
     python benchmarks/gpu_run.py --plan         # the time table; exit 1 if the plan breaks a limit
     python benchmarks/gpu_run.py --dry-run N OUT    # command N on CPU at tiny sizes (CI runs all 3)
+    python benchmarks/gpu_run.py --fetch-wheels     # CPU side, with a network: the wheels to carry (.whl/)
     options: [--cap STEP=SECONDS]... [--work DIR]
 
 A GPU comes rarely, for 15 minutes of device time (the machine's start included), 10 minutes a
@@ -22,7 +23,12 @@ cap + grace + KILL, a command's the sum of its steps: ``--plan`` prints both, an
 refuses to start when ``--cap`` would take it past its limit.
 
 Offline: no pip, no downloads (``PIP_NO_INDEX`` and the Hugging Face offline switches are set,
-models are built from configs). The checkout's sources are copied to ``WORK/src`` (``--work``,
+models are built from configs). What the GPU machines lack comes as wheels: ``--fetch-wheels``
+downloads :data:`WHEELS` (for the GPU machines' Python 3.12, x86-64) into the checkout's ignored
+``.whl/`` on the CPU side, the device run carries that folder (``carry: [".whl"]``, 14 MB of the
+64 MiB), and the build step installs them offline (``pip --no-index --no-deps --target WORK/site``,
+on every step's ``PYTHONPATH``). Today: NVIDIA's libmathdx, which builds cuSolverDx's ``heev`` for
+the race's ``cusolverdx`` row (``fastspec/eig/mathdx.py``); without it the row says why it is absent. The checkout's sources are copied to ``WORK/src`` (``--work``,
 else ``$FASTSPEC_GPU_RUN_WORK``, else ``$TMPDIR/fastspec-gpu-run``, kept after the command) and
 the host-twin extension is built there in place with the installed setuptools and pybind11; a
 later command on the still-warm machine reuses that build when the native sources, Python and
@@ -82,6 +88,11 @@ NATIVE = ("csrc/bindings.cpp", "csrc/eig_host.cpp", "csrc/eig_host.h", "csrc/eig
           "csrc/eig_packed.h", "csrc/eig_regs.h", "csrc/eig_split.h", "csrc/eig_newton.h", "fastspec/eig/limits.py",
           "setup.py")
 KERNEL_SIZES = ("64", "128", "256")  # the eigvalsh suite's n (fastspec.bench.suites.eigvalsh.SIZES["gpu"])
+# the wheels a GPU machine lacks (--fetch-wheels, carried as .whl/): libmathdx for the race's cusolverdx
+# row (the GPU image has NVRTC, nvJitLink and cuda-bindings already: torch's CUDA 13 wheels need them)
+WHEELS = ("nvidia-libmathdx-cu13==0.4.2.37",)
+WHEEL_DIR = ROOT / ".whl"  # ignored by git (.gitignore); travels only when a run's carry names it
+WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 
 
 HEAD = ("--filter", "headline")   # the cases tagged headline (fastspec.bench.case.HEADLINE)
@@ -238,6 +249,8 @@ class Run:
     def __init__(self, command: int, steps: tuple[Step, ...], out: Path, work: Path, dry: bool):
         self.command, self.steps, self.out, self.work, self.dry = command, steps, out, work, dry
         self.src = work / "src"
+        self.site = work / "site"  # the carried wheels, installed offline by the build step
+        self.mathdx = ""  # why cuSolverDx's heev cannot be built in the steps' environment ("" when it can)
         self.start = time.monotonic()
         self.failed: list[str] = []
         self.log = out / "gpu_run.log"
@@ -248,7 +261,8 @@ class Run:
                     "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
                     # compiled kernels shared by the commands of one visit (a warm machine keeps them)
                     "FASTSPEC_CACHE": str(work / "kernel-cache"),
-                    "PYTHONPATH": os.pathsep.join([str(self.src), *filter(None, [os.environ.get("PYTHONPATH")])])}
+                    "PYTHONPATH": os.pathsep.join([str(self.src), str(self.site),
+                                                   *filter(None, [os.environ.get("PYTHONPATH")])])}
         if dry:  # CPU even on a GPU machine
             self.env.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1",
                             OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
@@ -266,8 +280,11 @@ class Run:
         if step.kind == "build":
             return [py, "setup.py", "-q", "build_ext", "--inplace"]
         if step.kind == "kernels":
+            # cuSolverDx's heev too on a GPU where it can be built (n 64 links for ~6 s of one core:
+            # the 16-core GPU machine builds it beside the others; the 2-core dry run leaves it to the race)
+            vendor = ["cusolverdx"] if not self.dry and not self.mathdx else []
             return [py, "-m", "fastspec", "precompile", "--arch", ARCH_DRY if self.dry else _local_arch(),
-                    "--n", *KERNEL_SIZES, "--dtype", "float32", "float64", "--algo", "all"]
+                    "--n", *KERNEL_SIZES, "--dtype", "float32", "float64", "--algo", "all", *vendor]
         if step.kind == "env":
             return [py, "benchmarks/gpu_tools.py", "env"]
         if step.kind == "bench":
@@ -346,8 +363,34 @@ class Run:
                 f.writelines(f"    {ln}\n" for ln in tail)
         return status
 
+    def install_wheels(self) -> None:
+        """The carried wheels (``.whl/``, :data:`WHEELS`) into ``WORK/site``, offline; then whether
+        cuSolverDx's heev can be built in the steps' environment (:attr:`mathdx`), said in the log."""
+        wheels = sorted(WHEEL_DIR.glob("*.whl"))
+        if wheels:
+            shutil.rmtree(self.site, ignore_errors=True)
+            done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                                   "--no-compile", "--no-cache-dir", "--upgrade", "--target", str(self.site),
+                                   *map(str, wheels)], env=self.env, capture_output=True, text=True, check=False)
+            names = ", ".join(w.name.split("-")[0] + " " + w.name.split("-")[1] for w in wheels)
+            self.say(f"carried wheels: {names} -> {self.site}" if done.returncode == 0 else
+                     f"carried wheels: pip could not install them (rc {done.returncode}): "
+                     f"{(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+        else:
+            self.say(f"carried wheels: none in {WHEEL_DIR} (run --fetch-wheels on the CPU side and carry .whl)")
+        check = subprocess.run([sys.executable, "-c", "from fastspec.eig import mathdx; print(mathdx.missing())"],
+                               cwd=self.src, env=self.env, capture_output=True, text=True, check=False)
+        self.mathdx = check.stdout.strip() if check.returncode == 0 else f"mathdx.py failed: {check.stderr[-200:]}"
+        self.say(f"cuSolverDx heev: {'can be built here' if not self.mathdx else 'absent: ' + self.mathdx}")
+
     def build(self, step: Step) -> None:
         """Fresh Python sources in ``WORK/src``; the extension rebuilt unless its stamp matches."""
+        try:
+            self._build(step)
+        finally:
+            self.install_wheels()
+
+    def _build(self, step: Step) -> None:
         stamp = _stamp()
         keep = self.work / "keep"
         if keep.exists():
@@ -439,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("command", nargs="?", type=int, choices=sorted(PLAN), help="which command of the plan")
     p.add_argument("out", nargs="?", type=Path, help="folder for the result files")
     p.add_argument("--plan", action="store_true", help="print the time table and exit")
+    p.add_argument("--fetch-wheels", action="store_true",
+                   help=f"download the wheels the GPU machines lack ({', '.join(WHEELS)}) into .whl/ and exit")
     p.add_argument("--dry-run", action="store_true", help="the same steps on CPU at tiny sizes")
     p.add_argument("--cap", action="append", default=[], metavar="STEP=SECONDS", help="override a step's cap")
     p.add_argument("--work", type=Path, help="build folder (default $FASTSPEC_GPU_RUN_WORK or $TMPDIR/fastspec-gpu-run)")
@@ -447,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
         caps = parse_caps(args.cap)
     except ValueError as e:
         p.error(str(e))
+    if args.fetch_wheels:
+        return fetch_wheels()
     if args.plan:
         print(table())
         bad = problems()
@@ -490,6 +537,21 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     run.say("done: every step passed, was capped, or skipped an optional tool")
     return 0
+
+
+def fetch_wheels(dest: Path = WHEEL_DIR) -> int:
+    """Download :data:`WHEELS` for the GPU machines (CPython 3.12, x86-64 Linux) into ``dest``:
+    the CPU side's preparation; the device run carries the folder and the build step installs it."""
+    dest.mkdir(parents=True, exist_ok=True)
+    plats = [a for p in WHEEL_PLATFORMS for a in ("--platform", p)]
+    argv = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
+            "3.12", "--implementation", "cp", *plats, "-d", str(dest), *WHEELS]
+    rc = subprocess.run(argv, check=False).returncode
+    got = sorted(dest.glob("*.whl"))
+    size = sum(w.stat().st_size for w in got) / 2**20
+    print(f"gpu_run.py: {len(got)} wheels in {dest} ({size:.1f} MiB): {', '.join(w.name for w in got)}"
+          + ("" if rc == 0 else f"; pip download failed (rc {rc})"))
+    return 0 if rc == 0 else 1
 
 
 def _section(path: Path, start: str) -> str:

@@ -131,6 +131,18 @@ def row_line(r: dict) -> str:
 DIAG_LINE = r"^(launcher |time launcher |case |raw |split |not run|cov-call|eig-call|  partials|  Covariance|  eigvalsh|measure:|train step:|[\w-]+: (ERROR|not run))"
 
 
+def _race_entry(name: str, a: dict) -> str:
+    """One algorithm of a race line: its time and verdict; a dry run's vendor row (cuSolverDx's
+    heev, built for sm_90 and not run) says what was built."""
+    if a["ms"] is None:
+        b = a.get("dry_run_build") or {}
+        return f"{name} built, not run" if b.get("built") else f"{name} NOT BUILT: {b.get('error')}"
+    if a["ok"]:
+        return f"{name} {a['ms']:.3g} ms"
+    bad = a.get("status_failures") or 0
+    return f"{name} {a['ms']:.3g} ms " + (f"status != 0 on {bad} matrices" if bad else "FAILS accuracy")
+
+
 def summary(out: Path, bench: dict | None) -> list[str]:
     lines = ["", "===== summary"]
     if bench is not None:
@@ -151,8 +163,8 @@ def summary(out: Path, bench: dict | None) -> list[str]:
     race = out / "race.json"
     if race.exists() and (doc := _load(race)) is not None:  # eig_race.py: winner and times per shape
         for r in doc["results"]:
-            times = ", ".join(f"{n} {a['ms']:.3g} ms{'' if a['ok'] else ' FAILS accuracy'}"
-                              for n, a in sorted(r["algorithms"].items(), key=lambda kv: kv[1]["ms"]))
+            times = ", ".join(_race_entry(n, a) for n, a in sorted(
+                r["algorithms"].items(), key=lambda kv: float("inf") if kv[1]["ms"] is None else kv[1]["ms"]))
             lines.append(f"race {r['shape']}: winner {r['winner']} ({times})")
         lines += [f"race {name}: not run (time limit)" for name in doc.get("not_run", [])]
     phases = out / "phases.json"

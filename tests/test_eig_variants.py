@@ -282,9 +282,20 @@ def test_race_dry_run_of_one_shape_checks_every_algorithm(tmp_path, monkeypatch)
     doc = json.loads((tmp_path / "race.json").read_text())
     assert doc["dry_run"] is True and doc["timing"].startswith("cpu stand-in")
     (res,) = doc["results"]
-    assert set(res["algorithms"]) == {n for n, a in variants.ALGORITHMS.items() if a.takes(128, "float32")}
-    for a in res["algorithms"].values():
+    from fastspec.eig import mathdx
+
+    vendor = set() if mathdx.missing() else {"cusolverdx"}  # built for sm_90 where the extra is installed
+    own = {n for n, a in variants.ALGORITHMS.items() if a.takes(128, "float32")}
+    assert set(res["algorithms"]) == own | vendor
+    for name in own:
+        a = res["algorithms"][name]
         assert a["ok"] and a["battery"]["worst_ratio"] <= 1 and a["rel_err"] < 1e-5
+    for name in vendor:  # nothing emulates it: built at the dry shape's n, not run, never the winner
+        a = res["algorithms"][name]
+        assert a["ms"] is None and not a["ok"] and a["dry_run_build"]["built"]
+        assert a["dry_run_build"]["n"] == race.dry_shape(race.SHAPES[0]).n and res["winner"] in own
+    if not vendor:
+        assert "cusolverdx" in res["not_raced"] and "fastspec[mathdx]" in res["not_raced"]["cusolverdx"]
     (row,) = doc["rows"]
     assert row["measured"]["dry_run"] is True and row["algo"] == res["winner"]
 

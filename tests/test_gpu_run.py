@@ -424,6 +424,75 @@ def test_the_kit_stays_offline():
             assert word not in code, f"{path.name} must stay offline: found {word!r}"
 
 
+def _tiny_wheel(folder: Path) -> Path:
+    """A pure-Python wheel ``tinymod 1.0`` (one module), hashes in its RECORD as pip expects."""
+    import base64
+    import hashlib
+    import zipfile
+
+    files = {"tinymod.py": b"VALUE = 42\n",
+             "tinymod-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: tinymod\nVersion: 1.0\n",
+             "tinymod-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\n"
+                                           b"Tag: py3-none-any\n"}
+    record = "".join(f"{name},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()}"
+                     f",{len(data)}\n" for name, data in files.items()) + "tinymod-1.0.dist-info/RECORD,,\n"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "tinymod-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+        z.writestr("tinymod-1.0.dist-info/RECORD", record)
+    return path
+
+
+def test_fetch_wheels_downloads_for_the_gpu_machines_python(tmp_path, monkeypatch, capsys):
+    seen = []
+
+    def fake_run(argv, **kw):
+        seen.append(argv)
+        _tiny_wheel(Path(argv[argv.index("-d") + 1]))
+        return subprocess.CompletedProcess(argv, 0)
+
+    monkeypatch.setattr(gpu_run.subprocess, "run", fake_run)
+    assert gpu_run.fetch_wheels(tmp_path / "whl") == 0
+    (argv,) = seen
+    assert argv[1:4] == ["-m", "pip", "download"] and "--no-deps" in argv and "--only-binary=:all:" in argv
+    assert argv[argv.index("--python-version") + 1] == "3.12" and "manylinux_2_28_x86_64" in argv
+    assert argv[-len(gpu_run.WHEELS):] == list(gpu_run.WHEELS)
+    assert "1 wheels in" in capsys.readouterr().out
+
+
+def test_carried_wheels_are_installed_offline_onto_every_steps_path(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_run, "WHEEL_DIR", tmp_path / "whl")
+    _tiny_wheel(tmp_path / "whl")
+    run = gpu_run.Run(1, gpu_run.PLAN[1], tmp_path, tmp_path / "work", True)
+    run.src.mkdir(parents=True)
+    run.install_wheels()
+    assert (run.site / "tinymod.py").exists()
+    assert str(run.site) in run.env["PYTHONPATH"].split(os.pathsep)
+    got = subprocess.run([sys.executable, "-c", "import tinymod; print(tinymod.VALUE)"], env=run.env,
+                         capture_output=True, text=True, check=True)
+    assert got.stdout.strip() == "42"
+    log = run.log.read_text()
+    assert "carried wheels: tinymod 1.0" in log and "cuSolverDx heev: " in log
+    # without carried wheels: said, and the steps go on
+    monkeypatch.setattr(gpu_run, "WHEEL_DIR", tmp_path / "none")
+    run.install_wheels()
+    assert "carried wheels: none in" in run.log.read_text()
+
+
+def test_the_kernels_step_builds_cusolverdx_only_on_a_gpu_that_can(tmp_path, monkeypatch):
+    step = next(s for s in gpu_run.PLAN[1] if s.kind == "kernels")
+    run = gpu_run.Run(1, gpu_run.PLAN[1], tmp_path, tmp_path, True)
+    assert run.argv(step)[-2:] == ["--algo", "all"]  # the dry run: 2 cores, the race builds it
+    run = gpu_run.Run(1, gpu_run.PLAN[1], tmp_path, tmp_path, False)
+    run.mathdx = "nvidia-libmathdx is not installed"
+    monkeypatch.setattr(gpu_run, "_local_arch", lambda: "90")
+    assert run.argv(step)[-2:] == ["--algo", "all"]
+    run.mathdx = ""
+    assert run.argv(step)[-3:] == ["--algo", "all", "cusolverdx"]
+
+
 def test_a_step_past_its_cap_is_stopped_and_recorded_as_capped(tmp_path, monkeypatch):
     run = gpu_run.Run(1, gpu_run.PLAN[1], tmp_path, tmp_path / "work", True)
     run.src.mkdir(parents=True)
@@ -678,7 +747,10 @@ def test_dry_run_of_the_whole_plan_offline_with_tools_and_anchors_missing(tmp_pa
     # the race ran every algorithm on CPU (the team emulation as a stand-in) and its rows are marked so
     race = _strict_json(tmp_path / "out1" / "race.json")
     assert race["dry_run"] is True and len(race["results"]) == len(eig_race.SHAPES) and not race["not_run"]
-    assert all(a["ok"] for r in race["results"] for a in r["algorithms"].values())
+    # fastspec's own algorithms all ok; cuSolverDx's heev (where the mathdx extra is installed) built for sm_90
+    assert all(a["ok"] for r in race["results"] for a in r["algorithms"].values() if a["ms"] is not None)
+    assert all(a["dry_run_build"]["built"] for r in race["results"] for a in r["algorithms"].values()
+               if a["ms"] is None)
     assert all(r["measured"]["dry_run"] for r in race["rows"])
     assert re.search(r"^race B4096-n128-fp32-dry: winner \w+ \(", logs[1], re.MULTILINE)
     # the eigensolver's phases: every algorithm's profiling build compiled for sm_90 and a record
