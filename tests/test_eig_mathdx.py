@@ -222,5 +222,5 @@ def test_matches_float64_on_gpu(n, dtype, batch):
     Al = torch.tril(A[keep].double().cpu())
     ref = torch.linalg.eigvalsh(Al + torch.tril(Al, -1).mT)
     err = (out[keep].double().cpu() - ref).abs().max() / ref.abs().max()
-    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    tol = 1e-12 if dtype == torch.float64 else 1e-5  # a few eps32 x n: Householder + QR, not our bisection
     assert err < tol, f"relative error {err:.3g}"

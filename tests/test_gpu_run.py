@@ -263,6 +263,16 @@ def test_summary_merges_the_steps_into_one_results_document(tmp_path):
     assert merged["gpu_run"]["runs"][-1] == {"command": "2", "suites": ["covariance", "eigvalsh"]}
 
 
+def test_summary_race_entries_say_built_status_and_accuracy():
+    say = gpu_summary._race_entry
+    assert say("packed", {"ms": 2.574, "ok": True}) == "packed 2.57 ms"
+    assert say("regs", {"ms": 2.88, "ok": False}) == "regs 2.88 ms FAILS accuracy"
+    assert say("cusolverdx", {"ms": 9.5, "ok": False, "status_failures": 3}) == "cusolverdx 9.5 ms status != 0 on 3 matrices"
+    assert say("cusolverdx", {"ms": None, "ok": False, "dry_run_build": {"built": True}}) == "cusolverdx built, not run"
+    assert say("cusolverdx", {"ms": None, "ok": False, "dry_run_build": {"built": False, "error": "E: x"}}) == \
+        "cusolverdx NOT BUILT: E: x"
+
+
 def test_summary_line_of_a_copy_row_gives_the_share_of_the_copy_bandwidth():
     from fastspec.bench.suites.covariance import COPY
 
