@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import _fake_gpu
-from fastspec.bench.cubin import cuobjdump, find_tool
+from fastspec.bench.cubin import cuobjdump, find_tool, instructions
 from fastspec.eig import cuda, mathdx, nvrtc, precompile, variants
 
 WHY = mathdx.missing()
@@ -70,9 +70,15 @@ def test_links_a_cubin_for_sm90_without_local_memory(n, dtype, kernel_cache, tmp
     assert use["SHARED"] <= mathdx.STATIC_SMEM
     assert b.registers == use["REG"]
     sass = cuobjdump(str(tmp_path / "heev.cubin"), "-sass")
-    assert mathdx.ENTRY in sass
+    ops = [op.split(".")[0] for _, op, _ in instructions(sass)[mathdx.ENTRY]]
+    # every access to the matrix, eigenvalues and workspace resolved to shared memory (the wrapper
+    # hands generic pointers into its shared array): no generic LD/ST
+    assert "LD" not in ops and "ST" not in ops and ops.count("LDS") > 100
     if (n, dtype) == (128, "float32"):  # the layout chosen for it (csrc/cusolverdx_heev.cu): 128, not 171-176
         assert use["REG"] <= 128 and use["STACK"] <= 16
+        assert ops.count("LDL") + ops.count("STL") <= 8  # cuSolverDx's 16-byte stack frame, 3 + 3 at 0.6.0
+    if (n, dtype) == (128, "float64"):
+        assert use["STACK"] == 0 and "LDL" not in ops and "STL" not in ops
 
 
 @NEEDS
