@@ -1,5 +1,5 @@
 """fastspec.eigvalsh vs torch.linalg.eigvalsh and the external batched solvers (cuSOLVER, JAX,
-CuPy, where available) on batches of Gram matrices.
+CuPy, cuSolverDx heev, where available) on batches of Gram matrices.
 
 Cases: ``fastspec.bench.suites.cases("eigvalsh", ...)``; parametrization and body: ``conftest.py``.
 """

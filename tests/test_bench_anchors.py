@@ -4,7 +4,9 @@ No GPU is needed: the cuSOLVER ctypes wrapper runs against a stand-in library wh
 are real ``ctypes`` callbacks with the prototypes of cusolverDn.h (so arguments are marshalled as
 they would be for the real library) and that solves with numpy on the memory it is pointed at;
 the JAX adapter runs against a numpy-backed stand-in module, and against real JAX on its CPU
-backend where jax is installed.
+backend where jax is installed; cuSolverDx's heev runs against a stand-in launch, and its sizes are
+judged by the real launcher (by libmathdx itself where the ``fastspec[mathdx]`` extra is
+installed). A test marked ``gpu`` runs the real cuSolverDx anchor.
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ import torch
 from fastspec.bench import anchors
 from fastspec.bench.suites import cases
 from fastspec.bench.suites import eigvalsh as eigvalsh_suite
+from fastspec.eig import cuda as eig_cuda
+from fastspec.eig import mathdx
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")
@@ -467,9 +471,183 @@ def test_a_broken_install_says_why_it_cannot_be_imported():
     assert anchors._import_reason("jax", inner) == "jax not importable: ModuleNotFoundError: No module named 'jaxlib'"
 
 
+# --------------------------------------------------------------------------------------------
+# cuSolverDx heev
+# --------------------------------------------------------------------------------------------
+
+SM90 = eig_cuda.DeviceSpec.for_arch(90)
+MATHDX_MISSING = mathdx.missing()
+
+
+class FakeLaunch:
+    """A stand-in for ``fastspec.eig.cuda.launch`` with cuSolverDx's contract: ascending
+    eigenvalues of ``A``'s lower triangle into ``out``, a status per matrix (``status_for``:
+    matrix index -> status; that row NaN, as the wrapper kernel writes it)."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+        self.status_for: dict[int, int] = {}
+
+    def __call__(self, A, out, algo=None, status=None):
+        self.calls.append({"algo": algo, "status": status, "shape": tuple(A.shape), "dtype": A.dtype})
+        out.copy_(torch.linalg.eigvalsh(A))
+        status.zero_()
+        for k, v in self.status_for.items():
+            if k < len(status):
+                status[k] = v
+                out[k] = float("nan")
+
+
+def heev(launch=None):
+    launch = launch or FakeLaunch()
+    return anchors.HeevDx(CPU, SM90, launch=launch), launch
+
+
+def test_cusolverdx_reasons_without_cuda(monkeypatch):
+    assert anchors.make_cusolverdx(CPU) == "needs a CUDA device"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert anchors.make_cusolverdx(CUDA) == "CUDA is not available to torch"
+
+
+def test_cusolverdx_reason_without_the_extra_touches_no_gpu(monkeypatch):
+    """The extra absent: mathdx's own reason (it names the install command), before any CUDA call."""
+    def no_cuda(*args, **kwargs):
+        raise AssertionError("a CUDA call was made")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("current_device", "get_device_properties", "synchronize", "current_stream", "device"):
+        monkeypatch.setattr(torch.cuda, name, no_cuda)
+    monkeypatch.setattr(eig_cuda.DeviceSpec, "of_device", classmethod(no_cuda))
+    monkeypatch.setattr(eig_cuda, "launch", no_cuda)
+    monkeypatch.setattr(mathdx, "missing", lambda: "nvidia-libmathdx is not installed; pip install 'fastspec[mathdx]'")
+    assert anchors.make_cusolverdx(CUDA) == "nvidia-libmathdx is not installed; pip install 'fastspec[mathdx]'"
+    monkeypatch.setattr(mathdx, "missing", lambda: (_ for _ in ()).throw(OSError("libmathdx.so.0: bad ELF\nmore")))
+    assert anchors.make_cusolverdx(CUDA) == "cuSolverDx heev unusable: OSError: libmathdx.so.0: bad ELF"
+
+
+def test_cusolverdx_reason_names_the_install_command(monkeypatch):
+    """The real :func:`mathdx.missing` without the wheel."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: pytest.fail("a CUDA call was made"))
+    monkeypatch.setattr(mathdx, "distribution", lambda: None)
+    why = anchors.make_cusolverdx(CUDA)
+    assert why == f"nvidia-libmathdx is not installed; {mathdx.INSTALL}" and "pip install 'fastspec[mathdx]'" in why
+
+
+def test_make_anchors_lists_every_anchor_in_order():
+    got = anchors.make_anchors(CPU)
+    assert tuple(got) == anchors.ANCHORS and anchors.ANCHORS[-1] == "cusolverdx::heev"
+    assert got["cusolverdx::heev"] == "needs a CUDA device"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cusolverdx_launches_the_cusolverdx_algorithm_with_a_status(dtype, monkeypatch):
+    monkeypatch.setattr(eig_cuda, "variant_for", lambda n, dt, spec, algo="block": None)  # every size fits
+    fn, launch = heev()
+    A = nonsymmetric(5, 7, dtype)
+    w = fn(A)
+    assert w.dtype == dtype and w.shape == (5, 7)
+    torch.testing.assert_close(w, torch.linalg.eigvalsh(A))  # the lower triangle
+    (call,) = launch.calls
+    status = call["status"]
+    assert call["algo"] == "cusolverdx" and call["shape"] == (5, 7, 7)
+    assert status.dtype == torch.int32 and status.shape == (5,) and status.is_contiguous()
+    fn(A, check_status=False)
+    assert launch.calls[-1]["status"] is status  # kept for the batch size, like cuSOLVER's info
+    fn(nonsymmetric(3, 7, dtype))
+    assert launch.calls[-1]["status"].shape == (3,)
+    assert fn(torch.empty(0, 7, 7, dtype=dtype)).shape == (0, 7) and len(launch.calls) == 3  # nothing to launch
+    with pytest.raises(ValueError, match=r"expected a batch of square matrices"):
+        fn(torch.zeros(2, 3, 4, dtype=dtype))
+
+
+def test_cusolverdx_status_is_read_by_the_check_alone(monkeypatch):
+    """The timed call (check_status=False) reads nothing back; the checked call raises, naming why."""
+    monkeypatch.setattr(eig_cuda, "variant_for", lambda n, dt, spec, algo="block": None)
+    fn, launch = heev()
+    reads = []
+    real = anchors._check_status
+    monkeypatch.setattr(anchors, "_check_status", lambda status: reads.append(status) or real(status))
+    A = nonsymmetric(4, 6, torch.float32)
+    launch.status_for = {2: 3}
+    w = fn(A, check_status=False)
+    assert not reads and torch.isnan(w[2]).all()
+    with pytest.raises(RuntimeError, match=r"^cuSolverDx heev did not converge for 1 matrices \(first: matrix 2, "
+                                           r"status = 3\)$"):
+        fn(A)
+    launch.status_for = {1: -1, 3: 5}
+    with pytest.raises(RuntimeError, match=r"^cuSolverDx heev: matrix 1 has a non-finite element \(status -1\); "
+                                           r"2 matrices failed$"):
+        fn(A)
+    assert len(reads) == 2
+    launch.status_for = {}
+    fn(A)
+    assert len(reads) == 3
+
+
+def test_cusolverdx_unfit_sizes_say_why_and_launch_nothing(monkeypatch):
+    fn, launch = heev()
+    # what the launcher decides without libmathdx: the dtype first
+    assert fn.unfit(32, torch.float16) == "cuSolverDx heev takes float32/float64, got float16"
+    assert fn.unfit(2000, torch.float32).startswith("cuSolverDx heev: n: must be in [1, ")
+
+    def variant_for(n, dtype, spec, algo="block"):
+        assert (spec, algo) == (SM90, "cusolverdx")
+        if n > 200:
+            raise ValueError(f"algo: 'cusolverdx' needs 274448 bytes of shared memory for {dtype} n = {n}, "
+                             f"sm_90 gives a block 232448")
+
+    monkeypatch.setattr(eig_cuda, "variant_for", variant_for)
+    fn, launch = heev()
+    assert fn.unfit(128, torch.float32) == ""
+    why = fn.unfit(256, torch.float32)
+    assert why == "cuSolverDx heev needs 274448 bytes of shared memory for float32 n = 256, sm_90 gives a block 232448"
+    with pytest.raises(ValueError) as exc:
+        fn(torch.zeros(2, 256, 256))
+    assert str(exc.value) == why and not launch.calls
+
+
+@pytest.mark.skipif(bool(MATHDX_MISSING), reason=f"needs the fastspec[mathdx] extra: {MATHDX_MISSING}")
+def test_cusolverdx_unfit_asks_libmathdx_for_the_shared_memory():
+    """sm_90 without a GPU: libmathdx describes heev, the launcher judges its shared memory."""
+    fn, _ = heev()
+    assert fn.unfit(2, torch.float32) == "" and fn.unfit(128, torch.float32) == ""  # the smoke test's, the headline
+    assert fn.unfit(128, torch.float64) == ""
+    assert re.fullmatch(r"cuSolverDx heev needs \d+ bytes of shared memory for float32 n = 256, sm_90 gives a block "
+                        r"232448", fn.unfit(256, torch.float32))
+
+
+def test_cusolverdx_without_the_extra_is_unfit_for_every_size(monkeypatch):
+    monkeypatch.setattr(mathdx, "distribution", lambda: None)
+    fn, _ = heev()
+    assert fn.unfit(64, torch.float32) == (f"cuSolverDx heev cannot be built here: nvidia-libmathdx is not installed; "
+                                           f"{mathdx.INSTALL}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_real_cusolverdx_matches_float64_on_gpu():
+    fn = anchors.make_cusolverdx(CUDA)
+    if isinstance(fn, str):
+        assert mathdx.missing(), fn  # with the extra installed it must run
+        pytest.skip(fn)
+    for n, dtype, tol in ((64, torch.float32, 1e-5), (32, torch.float64, 1e-12)):
+        A = eigvalsh_suite.powerlaw_gram(9, n, CUDA, dtype)
+        A = A + A.triu(1)  # the upper triangle doubled: never read
+        w = fn(A)
+        ref = torch.linalg.eigvalsh(A.double().cpu()).to(dtype)
+        assert w.dtype == dtype and w.device.type == "cuda"
+        torch.testing.assert_close(w.cpu(), ref, atol=tol * ref.abs().max().item(), rtol=0)
+        A[4, 3, 1] = float("nan")
+        w = fn(A, check_status=False)  # no read-back: the NaN row is the only sign
+        assert torch.isnan(w[4]).all() and not torch.isnan(w[3]).any()
+        with pytest.raises(RuntimeError, match="matrix 4 has a non-finite element"):
+            fn(A)
+
+
 def test_importing_anchors_imports_no_optional_dependency():
     code = ("import sys, fastspec.bench.anchors, fastspec.bench.suites.eigvalsh; "
-            "print([m for m in ('jax', 'cupy') if m in sys.modules])")
+            "print([m for m in ('jax', 'cupy', 'fastspec.eig.mathdx') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -521,7 +699,8 @@ def test_gpu_cases_scale_the_sliced_torch_baseline(monkeypatch):
 def test_cpu_cases_time_the_whole_batch_and_leave_cuda_only_anchors_out():
     for case in cases("eigvalsh", "cpu", CPU):
         assert case.baseline_scale == {}
-        assert not set(case.notes) & {"cusolverDnXsyevBatched", "cupy.linalg.eigvalsh"}
+        assert not set(case.notes) & {"cusolverDnXsyevBatched", "cupy.linalg.eigvalsh", "cusolverdx::heev"}
+    assert set(eigvalsh_suite.CUDA_ONLY) == {"cusolverDnXsyevBatched", "cupy.linalg.eigvalsh", "cusolverdx::heev"}
 
 
 def _fake_anchor_cases(monkeypatch, tier="quick"):
@@ -575,6 +754,63 @@ def test_sliced_torch_baseline_is_timed_on_the_slice_and_checked_on_the_referenc
         assert "error" not in row and 0 <= row["baseline_error"] < 2e-6
     # the timed cuSOLVER calls skip the info read-back, the accuracy check does not
     assert len(fake.named("cusolverDnXsyevBatched")) == 1 + 1 + 2  # check + warmup + repeats
+
+
+def _heev_cases(monkeypatch, launch):
+    """Quick CPU cases with cuSolverDx's heev (on a stand-in launch) as the one anchor; the
+    launcher refuses it n = 64 as it refuses float32 n = 256 on sm_90 (shared memory)."""
+    real = eig_cuda.variant_for
+
+    def variant_for(n, dtype, spec, algo="block"):
+        if algo != "cusolverdx":
+            return real(n, dtype, spec, algo)
+        if n == 64:
+            raise ValueError(f"algo: 'cusolverdx' needs 300000 bytes of shared memory for {dtype} n = 64, "
+                             f"sm_90 gives a block 232448")
+        return None
+
+    monkeypatch.setattr(eig_cuda, "variant_for", variant_for)
+    fn = anchors.HeevDx(CPU, SM90, launch=launch)
+    monkeypatch.setattr(eigvalsh_suite, "make_anchors", lambda device: {
+        "cusolverDnXsyevBatched": "needs a CUDA device", "jax.numpy.linalg.eigvalsh": "jax not installed",
+        "cupy.linalg.eigvalsh": "needs a CUDA device", "cusolverdx::heev": fn})
+    return _solver_cases("quick", CPU)
+
+
+def test_cusolverdx_is_a_baseline_where_it_fits_and_a_skipped_row_where_not(monkeypatch):
+    from fastspec.bench.runner import run_case
+
+    launch = FakeLaunch()
+    built = _heev_cases(monkeypatch, launch)
+    unfit = "cuSolverDx heev needs 300000 bytes of shared memory for float32 n = 64, sm_90 gives a block 232448"
+    for case in built:
+        if case.size == "B4-n64-fp32":
+            assert "cusolverdx::heev" not in case.baselines
+            assert case.notes == {"jax.numpy.linalg.eigvalsh": "jax not installed", "cusolverdx::heev": unfit}
+        else:
+            assert "cusolverdx::heev" in case.baselines
+            assert case.notes == {"jax.numpy.linalg.eigvalsh": "jax not installed"}
+    # the size it does not take: fastspec and torch are timed, the anchor's row says why not
+    case = next(c for c in built if c.size == "B4-n64-fp32" and c.variant == "auto")
+    rows = run_case(case, CPU, warmup=1, repeats=2)
+    assert not [r for r in rows if "error" in r], rows
+    by_name = {r["baseline"]: r for r in rows}
+    assert by_name["cusolverdx::heev"]["skipped"] == unfit
+    assert "fastspec_s" in by_name["torch.linalg.eigvalsh"] and not launch.calls
+    # a size it takes: timed without the status read-back, checked with it
+    reads = []
+    real = anchors._check_status
+    monkeypatch.setattr(anchors, "_check_status", lambda status: reads.append(status) or real(status))
+    case = next(c for c in built if c.size == "B16-n32-fp32" and c.variant == "auto")
+    rows = run_case(case, CPU, warmup=1, repeats=2)
+    row = next(r for r in rows if r["baseline"] == "cusolverdx::heev")
+    assert "error" not in row and 0 <= row["baseline_error"] < 2e-6
+    assert len(launch.calls) == 1 + 1 + 2 and len(reads) == 1  # check + warmup + repeats; the check reads
+    # a failed matrix is the check's error, as cuSOLVER's info is
+    launch.status_for = {5: 7}
+    case = next(c for c in built if c.size == "B8-n32-fp64" and c.variant == "auto")
+    with pytest.raises(RuntimeError, match="did not converge for 1 matrices"):
+        case.check(case.setup())
 
 
 def test_compile_cases_time_the_kernels_first_call_build():

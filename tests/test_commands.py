@@ -1,10 +1,13 @@
 """``fastspec precompile`` (:mod:`fastspec.commands.precompile`): bad flags are one-line usage
 errors naming the flag, the work is the library's, and ``python -m fastspec.eig.precompile`` is
-the same command. Also what every command's ``--help`` promises about time. (Every command's
-``--help`` staying light is tests/test_imports.py; the other commands have their own test files.)"""
+the same command. Also what every command's ``--help`` promises about time, and ``fastspec info``'s
+cuSolverDx line. (Every command's ``--help`` staying light is tests/test_imports.py; the other
+commands have their own test files, and ``fastspec info``'s other lines are tested with what they
+report: tests/test_eig_nvrtc.py, tests/test_eig_variants.py, tests/test_covariance_routes.py.)"""
 from __future__ import annotations
 
 import importlib
+import json
 import re
 import subprocess
 import sys
@@ -111,3 +114,44 @@ def test_no_help_promises_seconds_for_a_run():
         text = _help(command)
         for claim in ("under a second", "seconds on a CPU", "(seconds)", "runs in seconds"):
             assert claim not in text, (command, claim, text)
+
+
+# ------------------------------------------------------------------------------ fastspec info
+
+
+def _info(capsys, *flags) -> str:
+    assert main(["info", *flags]) == 0
+    return capsys.readouterr().out
+
+
+def test_info_reports_cusolverdx_heev_with_its_versions(monkeypatch, capsys):
+    from fastspec.eig import mathdx
+
+    got = {"available": True, "reason": None, "libmathdx": "nvidia-libmathdx-cu13 0.4.2.37", "cusolverdx": "0.6.0",
+           "nvjitlink": "13.5"}
+    monkeypatch.setattr(mathdx, "info", lambda: dict(got))
+    out = _info(capsys)
+    line = next(ln for ln in out.splitlines() if ln.startswith("cusolverdx: "))
+    assert line.startswith("cusolverdx: cuSolverDx heev available (cuSolverDx 0.6.0, nvidia-libmathdx-cu13 0.4.2.37, "
+                           "nvJitLink 13.5): ")
+    assert "FASTSPEC_EIG_VARIANT=cusolverdx" in line
+    assert json.loads(_info(capsys, "--json"))["eigvalsh_cusolverdx"] == got
+
+
+def test_info_says_why_cusolverdx_heev_is_absent(monkeypatch, capsys):
+    from fastspec.eig import mathdx
+
+    monkeypatch.setattr(mathdx, "distribution", lambda: None)  # the real info(), without the wheel
+    out = _info(capsys)
+    why = f"nvidia-libmathdx is not installed; {mathdx.INSTALL}"
+    assert f"cusolverdx: cuSolverDx heev cannot be built here: {why}\n" in out
+    assert "pip install 'fastspec[mathdx]'" in out
+    d = json.loads(_info(capsys, "--json"))["eigvalsh_cusolverdx"]
+    assert d["available"] is False and d["reason"] == why
+    # asking failing is a reason too, not a traceback: the rest of the report still prints
+    monkeypatch.setattr(mathdx, "info", lambda: (_ for _ in ()).throw(OSError("libmathdx.so.0: bad ELF\nmore")))
+    out = _info(capsys)
+    assert "cusolverdx: cuSolverDx heev cannot be built here: OSError: libmathdx.so.0: bad ELF\n" in out
+    assert "cov route: " in out
+    d = json.loads(_info(capsys, "--json"))["eigvalsh_cusolverdx"]
+    assert d == {"available": False, "reason": "OSError: libmathdx.so.0: bad ELF", "libmathdx": None}

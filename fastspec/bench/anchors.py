@@ -14,15 +14,26 @@ row. Nothing here imports jax or cupy until a ``make_*`` asks for it.
   cuda:0: ...".
 * :func:`make_jax`: ``jax.numpy.linalg.eigvalsh`` jitted, on the GPU for CUDA tensors (the
   jax-cuda13 plugin), on JAX's CPU backend for CPU tensors; the tensor goes in and out through
-  DLPack, without a copy. Reasons: "jax not installed" (or "jax not importable: <why>"), "jax has no CUDA backend (...)", "jax
-  sees no CUDA device 1 (...)", "jax eigvalsh failed on cuda:0: ...".
+  DLPack, without a copy. Reasons: "jax not installed" (or "jax not importable: <why>"), "jax
+  has no CUDA backend (...)", "jax sees no CUDA device 1 (...)", "jax eigvalsh failed on cuda:0:
+  ...".
 * :func:`make_cupy`: ``cupy.linalg.eigvalsh`` (``syevjBatched`` for a batch), CUDA only, run on
   torch's current stream. Reasons: "needs a CUDA device", "cupy not installed", "cupy eigvalsh
   failed on cuda:0: ...".
+* :func:`make_cusolverdx`: NVIDIA cuSolverDx's ``heev`` (eigenvalues only, the whole matrix in
+  shared memory, one block per matrix or several), built at run time by :mod:`fastspec.eig.mathdx`
+  and launched by :func:`fastspec.eig.cuda.launch` as the ``cusolverdx`` algorithm, on torch's
+  current stream; CUDA only. Reasons: "needs a CUDA device", "CUDA is not available to torch",
+  :func:`fastspec.eig.mathdx.missing`'s ("nvidia-libmathdx is not installed; pip install
+  'fastspec[mathdx]' ..."), "cuSolverDx heev failed on cuda:0: ...". Its shared memory bounds the
+  sizes it takes (float32 n = 256 does not fit an H100's 227 KiB): :meth:`HeevDx.unfit` says so per
+  size, and the suite lists such a size's row as ``skipped`` with that reason.
 
 Each ``make_*`` runs one tiny solve before handing the callable out, so that a broken install
 (a plugin built for another CUDA, a library without a symbol) is a skip reason at case-building
-time instead of an error that takes the whole benchmark case down with it.
+time instead of an error that takes the whole benchmark case down with it. For the same reason a
+callable that takes only some sizes has ``unfit(n, dtype) -> str``, the reason it cannot solve
+``n x n`` ``dtype`` matrices here ("" when it can), asked per size when the cases are built.
 """
 from __future__ import annotations
 
@@ -46,12 +57,12 @@ Eigvalsh = Callable[[Tensor], Tensor]
 Anchor = Eigvalsh | str
 
 # baseline names in the results: what a user would call
-ANCHORS = ("cusolverDnXsyevBatched", "jax.numpy.linalg.eigvalsh", "cupy.linalg.eigvalsh")
+ANCHORS = ("cusolverDnXsyevBatched", "jax.numpy.linalg.eigvalsh", "cupy.linalg.eigvalsh", "cusolverdx::heev")
 
 
 def make_anchors(device: torch.device) -> dict[str, Anchor]:
     """``{name: callable or reason}`` for every anchor on ``device``, in :data:`ANCHORS` order."""
-    makers = (make_cusolver, make_jax, make_cupy)
+    makers = (make_cusolver, make_jax, make_cupy, make_cusolverdx)
     return {name: make(device) for name, make in zip(ANCHORS, makers)}
 
 
@@ -542,3 +553,125 @@ def make_cupy(device: torch.device) -> Anchor:
     except Exception as e:  # noqa: BLE001 - e.g. a cupy wheel for another CUDA major
         return f"cupy eigvalsh failed on {device}: {_one_line(e)}"
     return run
+
+
+# --------------------------------------------------------------------------------------------
+# cuSolverDx heev (fastspec.eig.mathdx)
+# --------------------------------------------------------------------------------------------
+
+class HeevDx:
+    """``A: [B, n, n] -> [B, n]`` ascending through cuSolverDx's ``heev``, eigenvalues only.
+
+    The kernel is :mod:`fastspec.eig.mathdx`'s (built at the first call of an ``(n, dtype)``,
+    cached like fastspec's own kernels), launched by :func:`fastspec.eig.cuda.launch` with
+    ``algo="cusolverdx"`` on torch's current stream: asynchronous, so CUDA events on that stream
+    time it as they time fastspec. It reads ``A``'s lower triangle, as fastspec, torch and the
+    fp64 reference do, in place (no copy: its wrapper loads the triangle into shared memory).
+    Per matrix it writes a status (0: solved; -1: non-finite input; > 0: not converged, and that
+    row of the output is NaN) into an int32 ``[B]`` tensor kept for the last batch size, as the
+    cuSOLVER anchor keeps its ``info``.
+
+    Args:
+        device: the CUDA device the inputs live on (a CPU device only with a stand-in ``launch``:
+            tests).
+        spec: that device's :class:`fastspec.eig.cuda.DeviceSpec`, which :meth:`unfit` judges
+            the shared memory against.
+        launch: ``(A, out, algo=, status=) -> None``; default :func:`fastspec.eig.cuda.launch`.
+    """
+
+    ALGO = "cusolverdx"
+
+    def __init__(self, device: torch.device, spec, *, launch: Callable | None = None):
+        # imported here: importing the anchors module imports no solver stack
+        from fastspec.eig import cuda
+
+        self.device, self.spec = torch.device(device), spec
+        self._launch = cuda.launch if launch is None else launch
+        self._unfit: dict[tuple[int, torch.dtype], str] = {}
+        self._status: Tensor | None = None
+
+    def unfit(self, n: int, dtype: torch.dtype) -> str:
+        """Why ``n x n`` ``dtype`` matrices cannot be solved on this GPU ("" when they can), in
+        one line that starts "cuSolverDx heev": not float32/float64, or its shared memory for them
+        past the block's opt-in ("cuSolverDx heev needs 274448 bytes of shared memory for float32
+        n = 256, sm_90 gives a block 232448"). Kept per (n, dtype): the timed call asks too, and
+        pays one dictionary look-up."""
+        key = (n, dtype)
+        why = self._unfit.get(key)
+        if why is None:
+            from fastspec.eig import cuda
+
+            name = str(dtype).removeprefix("torch.")
+            try:
+                cuda.variant_for(n, name, self.spec, self.ALGO)
+                why = ""
+            except ValueError as e:
+                # "algo: 'cusolverdx' needs ... bytes of shared memory ...", as the launcher says it
+                why = str(e).removeprefix(f"algo: {self.ALGO!r}")
+                why = f"cuSolverDx heev{why}" if why != str(e) else f"cuSolverDx heev: {why}"
+            self._unfit[key] = why
+        return why
+
+    def __call__(self, A: Tensor, *, check_status: bool = True) -> Tensor:
+        """Eigenvalues ``[B, n]`` of ``A: [B, n, n]`` (float32/float64, on ``device``).
+
+        ``check_status``: read the per-matrix status back (a device sync) and raise if a matrix
+        failed; the suite's timed calls pass False, its accuracy check (same inputs) True. A size
+        :meth:`unfit` refuses raises ValueError with its reason, before anything is launched.
+        """
+        if A.dim() != 3 or A.shape[-1] != A.shape[-2]:
+            raise ValueError(f"A: expected a batch of square matrices [B, n, n], got shape {list(A.shape)}")
+        if A.device != self.device:
+            raise ValueError(f"A: expected a tensor on {self.device}, got {A.device}")
+        batch, n = A.shape[0], A.shape[-1]
+        W = torch.empty(batch, n, dtype=A.dtype, device=A.device)
+        if batch == 0 or n == 0:
+            return W
+        why = self.unfit(n, A.dtype)
+        if why:
+            raise ValueError(why)
+        status = self._status
+        if status is None or status.shape[0] != batch:
+            status = self._status = torch.empty(batch, dtype=torch.int32, device=A.device)
+        self._launch(A, W, algo=self.ALGO, status=status)
+        if check_status:
+            _check_status(status)
+        return W
+
+
+def _check_status(status: Tensor) -> None:
+    bad = torch.nonzero(status).flatten()
+    if bad.numel() == 0:
+        return
+    i = int(bad[0])
+    v = int(status[i])
+    if v < 0:
+        raise RuntimeError(f"cuSolverDx heev: matrix {i} has a non-finite element (status {v}); "
+                           f"{bad.numel()} matrices failed")
+    raise RuntimeError(f"cuSolverDx heev did not converge for {bad.numel()} matrices "
+                       f"(first: matrix {i}, status = {v})")
+
+
+def make_cusolverdx(device: torch.device) -> Anchor:
+    """cuSolverDx's ``heev`` for CUDA tensors on ``device``, or why not (module docstring)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "needs a CUDA device"
+    if not torch.cuda.is_available():
+        return "CUDA is not available to torch"
+    try:
+        from fastspec.eig import cuda, mathdx
+
+        why = mathdx.missing()  # the extra absent, or NVRTC or nvJitLink: the install command
+    except Exception as e:  # noqa: BLE001 - a broken install is a reason, not a crash
+        return f"cuSolverDx heev unusable: {_one_line(e)}"
+    if why:
+        return why
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    device = torch.device("cuda", index)
+    try:
+        fn = HeevDx(device, cuda.DeviceSpec.of_device(index))
+        _smoke(fn, device)  # n = 2 float32: cuSolverDx takes it (32 matrices per block)
+    except Exception as e:  # noqa: BLE001 - e.g. NVRTC or nvJitLink failing for this GPU
+        return f"cuSolverDx heev failed on {device}: {_one_line(e)}"
+    return fn

@@ -3,7 +3,9 @@
 What it reports comes from the library: :func:`fastspec.sysinfo.environment`,
 :func:`fastspec.solvers`, :func:`fastspec.eig.cuda.build_info` and
 :func:`fastspec.eig.cuda.selection_info` (which algorithm of the kernel runs where, and why),
-:func:`fastspec.covariance.routes.info` (which route an exact covariance update takes, and why).
+:func:`fastspec.covariance.routes.info` (which route an exact covariance update takes, and why),
+:func:`fastspec.eig.mathdx.info` (whether NVIDIA cuSolverDx's heev can be built here, with which
+versions, or why not: the ``fastspec[mathdx]`` extra).
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ def run(args: argparse.Namespace) -> int:
 
     # "eigvalsh_backends": the key scripts already read, kept through the solver= rename
     info = {"environment": environment(), "eigvalsh_backends": fastspec.solvers(), "eigvalsh_kernel": build_info(),
-            "eigvalsh_variants": selection_info(), "covariance_routes": routes.info()}
+            "eigvalsh_variants": selection_info(), "eigvalsh_cusolverdx": cusolverdx_info(),
+            "covariance_routes": routes.info()}
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -51,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{'':>10}  error: {sel['error']}")
     for c in sel["choices"]:
         print(f"{'':>10}  {c['dtype']} n {c['n']:<3} x{c['batch']:<5} {c['algo']:<6} {c['why']}")
+    print(f"{'cusolverdx':>10}: {cusolverdx_text(info['eigvalsh_cusolverdx'])}")
     r = info["covariance_routes"]
     override = f"FASTSPEC_COV_VARIANT={r['override']}" if r["override"] else "FASTSPEC_COV_VARIANT forces one"
     print(f"{'cov route':>10}: exact (float64) raw-sum update on {r['device']} "
@@ -62,6 +66,28 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"{'':>10}  {r['shape']}: {r['choice']} ({r['why']})")
     return 0
+
+
+def cusolverdx_info() -> dict[str, object]:
+    """:func:`fastspec.eig.mathdx.info`, or ``{"available": False, "reason": ...}`` when asking
+    fails: a broken optional library is a line of the report, not a traceback instead of it."""
+    try:
+        from ..eig import mathdx  # here, not at import: `import fastspec` stays light
+
+        return mathdx.info()
+    except Exception as e:  # noqa: BLE001
+        text = str(e).strip().splitlines()
+        return {"available": False, "reason": f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": "),
+                "libmathdx": None}
+
+
+def cusolverdx_text(d: dict) -> str:
+    """One line: cuSolverDx's heev available, with the versions it is built with, or why not."""
+    if not d.get("available"):
+        return f"cuSolverDx heev cannot be built here: {d.get('reason')}"
+    return (f"cuSolverDx heev available (cuSolverDx {d.get('cusolverdx')}, {d.get('libmathdx')}, nvJitLink "
+            f"{d.get('nvjitlink')}): raced beside the kernel's algorithms, the eigvalsh anchor cusolverdx::heev, "
+            "FASTSPEC_EIG_VARIANT=cusolverdx forces it")
 
 
 def variants_hint(override: str | None) -> str:

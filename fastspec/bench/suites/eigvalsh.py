@@ -6,18 +6,22 @@ built in fp64 and rounded to the case's dtype (fp32, or fp64 for the ``-fp64`` s
 
 Baselines: ``torch.linalg.eigvalsh`` always, plus each anchor of :mod:`fastspec.bench.anchors`
 that is available here (cuSOLVER ``cusolverDnXsyevBatched``, ``jax.numpy.linalg.eigvalsh``,
-``cupy.linalg.eigvalsh``); an unavailable one gets a ``skipped`` row with its reason. On CPU the
-CUDA-only anchors (cuSOLVER, CuPy) are left out without a row: there is nothing to explain.
+``cupy.linalg.eigvalsh``, cuSolverDx's ``cusolverdx::heev``); an unavailable one gets a
+``skipped`` row with its reason, and so does one that does not take a size (its ``unfit``:
+cuSolverDx's heev past its shared memory, float32 n = 256 on an H100) in that size's cases. On
+CPU the CUDA-only anchors (cuSOLVER, CuPy, cuSolverDx) are left out without a row: there is
+nothing to explain.
 
 Timing: every solver runs the whole batch, except ``torch.linalg.eigvalsh`` on CUDA for n > 32,
 which loops one cuSOLVER ``syevj``/``syevd`` call per matrix (ATen's ``linalg_eigh_cusolver``;
 only n <= 32 takes the batched ``syevjBatched``/``XsyevBatched`` path): it is timed on the first
 :data:`TORCH_SLICE` matrices and its time multiplied by ``B / slice`` (``Case.baseline_scale``),
 which a per-matrix loop makes exact up to launch overhead, and which saves tens of seconds per
-timed call at B = 16384 (a millisecond or two per matrix). On CPU it runs the whole batch: LAPACK is looped per matrix there too, but the CPU
-tiers' batches are small enough. The anchors are batched (JAX >= 0.7.2 solves n > 32 with
-``XsyevBatched``, eigenvectors included, on cuSOLVER >= 11.7.1; CuPy uses ``syevjBatched``), so
-slicing them would understate their throughput; the slowest expected, CuPy's Jacobi at
+timed call at B = 16384 (a millisecond or two per matrix). On CPU it runs the whole batch:
+LAPACK is looped per matrix there too, but the CPU tiers' batches are small enough. The anchors
+are batched (JAX >= 0.7.2 solves n > 32 with ``XsyevBatched``, eigenvectors included, on
+cuSOLVER >= 11.7.1; CuPy uses ``syevjBatched``; cuSolverDx's heev is one launch for the batch),
+so slicing them would understate their throughput; the slowest expected, CuPy's Jacobi at
 B = 4096, n = 256, is ~2 s per call (the published 57.8 µs/matrix at n = 128 on H100, × n³).
 
 Error: per matrix ``max_i |λ_i − λ_i^ref| / max_i |λ_i^ref|``, then the max over the first
@@ -85,7 +89,10 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.float64: "fp64"}
 TORCH_SLICE = 256     # matrices the per-matrix-looping torch baseline is timed on (CUDA, n > 32)
 REF_MATRICES = 512    # matrices the fp64 reference, and so every error, covers
 TORCH = "torch.linalg.eigvalsh"
-CUDA_ONLY = ("cusolverDnXsyevBatched", "cupy.linalg.eigvalsh")
+CUDA_ONLY = ("cusolverDnXsyevBatched", "cupy.linalg.eigvalsh", "cusolverdx::heev")
+CHECKED = {"cusolverDnXsyevBatched": "check_info", "cusolverdx::heev": "check_status"}
+"""Anchors that read their per-matrix result codes back (a device sync) unless told not to: the
+keyword that tells them, False in the timed calls (:func:`_anchor_call`)."""
 
 
 def torch_slice(batch: int, n: int, device: torch.device) -> int:
@@ -162,10 +169,19 @@ def _variants(device: torch.device) -> list[tuple[str, str | None]]:
 
 def _anchor_call(name: str, fn):
     """The timed call: the ctypes cuSOLVER wrapper skips its ``info`` read-back (a device sync)
-    there; the accuracy check calls ``fn`` directly, which reads it and raises on a failure."""
-    if name == "cusolverDnXsyevBatched":
-        return lambda inp: fn(inp["A"], check_info=False)
+    there, cuSolverDx's heev its status read-back (:data:`CHECKED`); the accuracy check calls
+    ``fn`` directly, which reads them and raises on a failure."""
+    if name in CHECKED:
+        unchecked = {CHECKED[name]: False}
+        return lambda inp: fn(inp["A"], **unchecked)
     return lambda inp: fn(inp["A"])
+
+
+def _unfit(fn, n: int, dtype: torch.dtype) -> str:
+    """Why anchor ``fn`` does not take ``n x n`` ``dtype`` matrices ("" when it does): its own
+    ``unfit`` where it has one (:mod:`fastspec.bench.anchors`), else every size is taken."""
+    unfit = getattr(fn, "unfit", None)
+    return unfit(n, dtype) if unfit is not None else ""
 
 
 def eigvalsh_cases(tier: str, device: torch.device) -> list[Case]:
@@ -182,8 +198,13 @@ def eigvalsh_cases(tier: str, device: torch.device) -> list[Case]:
     for batch, n, dtype in SIZES[tier]:
         sliced = torch_slice(batch, n, device)
         refs = ref_count(batch)
+        # an anchor that does not take this size is a skipped row of its cases, not an error
+        # raised in their accuracy check, which would take fastspec's and every baseline's rows down
+        unfit = {name: _unfit(fn, n, dtype) for name, fn in available.items()}
+        here = {name: fn for name, fn in available.items() if not unfit[name]}
+        size_notes = {**notes, **{name: why for name, why in unfit.items() if why}}
         baselines = {TORCH: lambda inp: torch.linalg.eigvalsh(inp["A_torch"])}
-        baselines.update({name: _anchor_call(name, fn) for name, fn in available.items()})
+        baselines.update({name: _anchor_call(name, fn) for name, fn in here.items()})
         scale = {TORCH: batch / sliced} if sliced < batch else {}
 
         def setup(batch=batch, n=n, dtype=dtype, sliced=sliced, refs=refs) -> Inputs:
@@ -196,14 +217,14 @@ def eigvalsh_cases(tier: str, device: torch.device) -> list[Case]:
             def run(inp: Inputs, variant=variant) -> torch.Tensor:
                 return fastspec.eigvalsh(inp["A"], solver=variant)
 
-            def check(inp: Inputs, run=run, refs=refs, whole=sliced == batch) -> dict:
+            def check(inp: Inputs, run=run, refs=refs, whole=sliced == batch, here=here) -> dict:
                 ref = inp["ref"]
                 # torch timed on a slice: solve the reference matrices themselves (it loops per
                 # matrix, so that is what its timed call does to each of them)
                 torch_out = torch.linalg.eigvalsh(inp["A"] if whole else inp["A_ref"])[:refs]
                 errs = {"fastspec_error": max_rel_err(run(inp)[:refs], ref),
                         f"{TORCH}_error": max_rel_err(torch_out, ref)}
-                for name, fn in available.items():
+                for name, fn in here.items():
                     errs[f"{name}_error"] = max_rel_err(fn(inp["A"])[:refs], ref)
                 errs["baseline_error"] = errs[f"{TORCH}_error"]
                 return errs
@@ -213,7 +234,7 @@ def eigvalsh_cases(tier: str, device: torch.device) -> list[Case]:
                 setup=setup, fastspec=run, baselines=dict(baselines), check=check,
                 error_kind=error_kind(batch, dtype), claim=claim(n, dtype),
                 rate=("µs/matrix", lambda s, batch=batch: s / batch * 1e6),
-                skip=skip, notes=dict(notes), baseline_scale=dict(scale),
+                skip=skip, notes=dict(size_notes), baseline_scale=dict(scale),
                 tags=frozenset({HEADLINE}) if (batch, n, dtype) in HEADLINE_SIZES[tier] else frozenset()))
     return out
 
