@@ -6,7 +6,10 @@
 // own fatbin (fastspec/eig/mathdx.py, which sets the macros below from cuSolverDx's traits):
 //   FS_REAL float | double, FS_N the matrix size, FS_THREADS the block size cuSolverDx suggests,
 //   FS_BPB the matrices per block it suggests, FS_WORK the reals of its workspace per block,
-//   FS_HEEV the name of the generated device function (extern "C").
+//   FS_HEEV the name of the generated device function (extern "C"), FS_MIN_BLOCKS the resident
+//   blocks per SM the launch bounds ask for (as many as shared memory allows, down to 128 registers
+//   a thread: fastspec's own rule; nvJitLink 13.0 otherwise gives fp32 n = 128 ~170 registers and
+//   one block per SM, 13.5 gives 128 unasked).
 //
 // Design envelope: whatever cuSolverDx's shared-memory API takes: each block holds FS_BPB whole
 // n x n matrices in shared memory (column-major, leading dimension n), their eigenvalues, the
@@ -30,6 +33,9 @@
 #ifndef FS_BPB
 #define FS_BPB 1
 #endif
+#ifndef FS_MIN_BLOCKS
+#define FS_MIN_BLOCKS 1
+#endif
 #define FS_NAN __int_as_float(0x7fffffff)  // NVRTC has no <cmath>: a quiet NaN, converted to double there
 
 extern "C" __device__ void FS_HEEV(FS_REAL* a, FS_REAL* lambda, FS_REAL* work, int* info);
@@ -41,7 +47,7 @@ constexpr int kBpb = FS_BPB;
 constexpr int kThreads = FS_THREADS;
 }
 
-extern "C" __global__ void __launch_bounds__(FS_THREADS)
+extern "C" __global__ void __launch_bounds__(FS_THREADS, FS_MIN_BLOCKS)
 fastspec_cusolverdx_heev(const FS_REAL* __restrict__ A, FS_REAL* __restrict__ out, int* __restrict__ info_out,
                          long long batch, long long sb, long long sr, long long sc, long long out_stride) {
   extern __shared__ __align__(16) unsigned char smem[];

@@ -625,7 +625,6 @@ def test_cusolverdx_without_the_extra_is_unfit_for_every_size(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_real_cusolverdx_matches_float64_on_gpu():
     fn = anchors.make_cusolverdx(CUDA)
     if isinstance(fn, str):

@@ -207,7 +207,6 @@ def test_too_large_for_shared_memory_is_refused_by_name():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @NEEDS
 @pytest.mark.parametrize("n,dtype,batch", [(128, torch.float32, 37), (128, torch.float64, 5), (64, torch.float32, 9),
                                            (32, torch.float32, 7)])

@@ -79,6 +79,7 @@ class Heev:
     workspace: int            # reals of workspace per block (all its matrices)
     symbol: str               # the generated device function
     version: str              # cuSolverDx's version
+    min_blocks: int = 1       # resident blocks per SM the launch bounds ask for (:func:`min_blocks`)
 
     @property
     def smem(self) -> int:
@@ -88,11 +89,28 @@ class Heev:
     def defines(self) -> tuple[str, ...]:
         real = "float" if self.dtype == "float32" else "double"
         return (f"-DFS_REAL={real}", f"-DFS_N={self.n}", f"-DFS_THREADS={self.threads}", f"-DFS_BPB={self.per_block}",
-                f"-DFS_WORK={self.workspace}", f"-DFS_HEEV={self.symbol}")
+                f"-DFS_WORK={self.workspace}", f"-DFS_HEEV={self.symbol}", f"-DFS_MIN_BLOCKS={self.min_blocks}")
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in ("n", "dtype", "arch", "threads", "per_block", "workspace", "symbol",
-                                              "version")}
+                                              "version", "min_blocks")}
+
+
+def min_blocks(threads: int, smem: int, arch: int) -> int:
+    """The launch bounds' resident blocks per SM: as many as shared memory lets reside, but never
+    so many that a thread gets fewer than 128 registers (fastspec's own kernel's rule,
+    :func:`.cuda.variant_for`). Left alone, nvJitLink 13.0 gives heev at float32 n = 128 167-174
+    registers (one 256-thread block per SM) where 13.5 gives 128 (two); bounded to 2 blocks, 13.0
+    gives 128 with an 8-byte stack. float64 n = 128 (143 KB of shared memory: one block) stays
+    unbounded."""
+    from .cuda import RESERVED_SMEM, DeviceSpec  # noqa: PLC0415 - cuda imports this module lazily too
+
+    try:
+        per_sm = DeviceSpec.for_arch(arch).smem_per_sm
+    except ValueError:  # an arch without a table: no bound asked for
+        return 1
+    resident = per_sm // (smem + STATIC_SMEM + RESERVED_SMEM)
+    return max(1, min(resident, 65536 // (threads * 128)))
 
 
 @dataclass(frozen=True)
@@ -291,7 +309,11 @@ def _generate(n: int, dtype: str, arch: int, code: bool = False) -> tuple[Heev, 
         symbol = buf.value.decode()
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", symbol):  # it becomes a -D macro of the wrapper
             raise KernelUnavailable(f"libmathdx named the heev function {symbol!r}: not a C identifier")
-        heev = Heev(n, dtype, arch, x * y * z, suggested[1], workspace, symbol, version)
+        if y * z != 1:  # the wrapper numbers its threads by threadIdx.x alone
+            raise KernelUnavailable(f"cuSolverDx suggests a {x} x {y} x {z} block for heev at {dtype} n = {n}: "
+                                    "the wrapper takes one-dimensional blocks")
+        heev = Heev(n, dtype, arch, x, suggested[1], workspace, symbol, version)
+        heev = Heev(n, dtype, arch, x, suggested[1], workspace, symbol, version, min_blocks(x, heev.smem, arch))
         if not code:
             return heev, b"", b""
         c = LL()
