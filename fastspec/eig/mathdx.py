@@ -158,7 +158,7 @@ def _library_path() -> str:
         from cuda import pathfinder  # noqa: PLC0415
 
         return pathfinder.load_nvidia_dynamic_lib("mathdx").abs_path
-    except Exception as exc:  # absent, or an older pathfinder that does not know it
+    except Exception as exc:  # noqa: BLE001 - absent, or an older pathfinder that does not know it
         raise KernelUnavailable(f"libmathdx not found ({type(exc).__name__}); {INSTALL}") from None
 
 
@@ -171,7 +171,7 @@ def _mathdx():
         from cuda import pathfinder  # noqa: PLC0415
 
         ctypes.CDLL(pathfinder.load_nvidia_dynamic_lib("nvrtc").abs_path, mode=ctypes.RTLD_GLOBAL)
-    except Exception:  # a toolkit's NVRTC on the library path serves as well
+    except Exception:  # noqa: BLE001, S110 - a toolkit's NVRTC on the library path serves as well
         pass
     path = _library_path()
     try:
@@ -349,7 +349,7 @@ def _nvjitlink_version() -> tuple[int, int]:
         return tuple(_nvjitlink().version())
     except KernelUnavailable:
         raise
-    except Exception as exc:  # the binding found no libnvJitLink
+    except Exception as exc:  # noqa: BLE001 - the binding found no libnvJitLink (its error types vary)
         raise KernelUnavailable(f"nvJitLink not found ({type(exc).__name__}: {exc}); {INSTALL}") from None
 
 
@@ -386,7 +386,7 @@ def _link(arch: int, parts: list[tuple[str, bytes, str]]) -> tuple[bytes, str]:
             jit.add_data(handle, getattr(jit.InputType, kind), data, len(data), name)
         try:
             jit.complete(handle)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - nvJitLinkError; its log says why
             log = bytearray(jit.get_error_log_size(handle))
             jit.get_error_log(handle, log)
             text = bytes(log).rstrip(b"\0").decode(errors="replace").strip()
@@ -420,7 +420,7 @@ def _pack(b: Built) -> bytes:
 
 
 def _unpack(payload: bytes) -> tuple[Heev, int | None, bytes] | None:
-    head, sep, cubin = payload.partition(b"\n")
+    head, _, cubin = payload.partition(b"\n")
     try:
         meta = json.loads(head)
         registers = meta.pop("registers")
