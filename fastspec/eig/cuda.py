@@ -42,9 +42,9 @@ from torch import Tensor
 from .._trace import assume_constant_result
 from . import cache, nvrtc, variants
 from .limits import MAX_N, SCRATCH
+from .device import RESERVED_SMEM, DeviceSpec
 from .nvrtc import KernelUnavailable, Variant
 
-RESERVED_SMEM = 1024  # shared memory the driver keeps per block on sm_80 and newer
 ITEMSIZE = {"float32": 4, "float64": 8}
 
 
@@ -58,34 +58,6 @@ def smem_bytes(n: int, dtype: str, matrix_here: bool, algo: str = "block") -> in
     """Dynamic shared memory of one block: the work arrays, then the reduction scratch."""
     elems = block_work_elems(n, matrix_here) if algo == "block" else variants.ALGORITHMS[algo].smem_elems(n)
     return ITEMSIZE[dtype] * (elems + SCRATCH)
-
-
-@dataclass(frozen=True)
-class DeviceSpec:
-    """What the plan needs of a GPU."""
-
-    cc: int               # compute capability, major * 10 + minor
-    smem_optin: int       # bytes of shared memory one block may opt in to
-    smem_per_sm: int      # bytes of shared memory per SM
-    sms: int              # multiprocessors
-
-    @classmethod
-    def of_device(cls, index: int) -> DeviceSpec:
-        p = torch.cuda.get_device_properties(index)
-        return cls(p.major * 10 + p.minor, p.shared_memory_per_block_optin, p.shared_memory_per_multiprocessor,
-                   p.multi_processor_count)
-
-    @classmethod
-    def for_arch(cls, cc: int) -> DeviceSpec:
-        """A GPU of this arch without one at hand (ahead-of-time compiles, CPU tests): its shared
-        memory from NVIDIA's tuning guides, the SM count of its largest part."""
-        kib = {80: (163, 164, 108), 86: (99, 100, 84), 87: (163, 164, 16), 89: (99, 100, 128),
-               90: (227, 228, 132), 100: (227, 228, 148), 103: (227, 228, 148), 110: (227, 228, 20),
-               120: (99, 100, 188), 121: (99, 100, 48)}
-        if cc not in kib:
-            raise ValueError(f"cc: no shared-memory table for sm_{cc}; known: {sorted(kib)}")
-        optin, per_sm, sms = kib[cc]
-        return cls(cc, optin * 1024, per_sm * 1024, sms)
 
 
 def variant_for(n: int, dtype: str, spec: DeviceSpec, algo: str = "block") -> Variant:

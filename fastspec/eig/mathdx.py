@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass
 
 from . import cache, nvrtc
+from .device import RESERVED_SMEM, DeviceSpec
 from .nvrtc import KernelUnavailable
 
 NAME = "cusolverdx"
@@ -103,8 +104,6 @@ def min_blocks(threads: int, smem: int, arch: int) -> int:
     registers (one 256-thread block per SM) where 13.5 gives 128 (two); bounded to 2 blocks, 13.0
     gives 128 with an 8-byte stack. float64 n = 128 (143 KB of shared memory: one block) stays
     unbounded."""
-    from .cuda import RESERVED_SMEM, DeviceSpec  # noqa: PLC0415 - cuda imports this module lazily too
-
     try:
         per_sm = DeviceSpec.for_arch(arch).smem_per_sm
     except ValueError:  # an arch without a table: no bound asked for
