@@ -396,15 +396,24 @@ class XsyevBatched:
         return W
 
 
-def _check_info(info: Tensor) -> None:
-    bad = torch.nonzero(info).flatten()
+def _first_failure(codes: Tensor) -> tuple[int, int, int] | None:
+    """``(index, code, count)`` of the first non-zero per-matrix result code and how many there
+    are (one read-back: a device sync), None when every matrix succeeded."""
+    bad = torch.nonzero(codes).flatten()
     if bad.numel() == 0:
-        return
+        return None
     i = int(bad[0])
-    v = int(info[i])
+    return i, int(codes[i]), bad.numel()
+
+
+def _check_info(info: Tensor) -> None:
+    failure = _first_failure(info)
+    if failure is None:
+        return
+    i, v, count = failure
     if v < 0:
         raise RuntimeError(f"cusolverDnXsyevBatched: parameter {-v} is invalid (info[{i}] = {v})")
-    raise RuntimeError(f"cusolverDnXsyevBatched did not converge for {bad.numel()} matrices "
+    raise RuntimeError(f"cusolverDnXsyevBatched did not converge for {count} matrices "
                        f"(first: matrix {i}, info = {v})")
 
 
@@ -640,15 +649,14 @@ class HeevDx:
 
 
 def _check_status(status: Tensor) -> None:
-    bad = torch.nonzero(status).flatten()
-    if bad.numel() == 0:
+    failure = _first_failure(status)
+    if failure is None:
         return
-    i = int(bad[0])
-    v = int(status[i])
+    i, v, count = failure
     if v < 0:
         raise RuntimeError(f"cuSolverDx heev: matrix {i} has a non-finite element (status {v}); "
-                           f"{bad.numel()} matrices failed")
-    raise RuntimeError(f"cuSolverDx heev did not converge for {bad.numel()} matrices "
+                           f"{count} matrices failed")
+    raise RuntimeError(f"cuSolverDx heev did not converge for {count} matrices "
                        f"(first: matrix {i}, status = {v})")
 
 
