@@ -353,26 +353,11 @@ def _nvjitlink_version() -> tuple[int, int]:
 
 
 def _wrapper_ltoir(heev: Heev) -> bytes:
-    """NVRTC: the wrapper kernel as LTO IR for sm_``arch``."""
-    nv = nvrtc.binding("nvrtc")
-    call = nvrtc.unpack
-    src = nvrtc.sources(WRAPPER)[WRAPPER.source]
-    prog = call(nv.nvrtcCreateProgram(src.encode(), WRAPPER.source.encode(), 0, [], []), "NVRTC create program")
-    try:
-        opts = [o.encode() for o in (f"--gpu-architecture=sm_{heev.arch}", "-dlto", "-rdc=true", "-std=c++17",
-                                      *heev.defines())]
-        status = nv.nvrtcCompileProgram(prog, len(opts), opts)[0]
-        buf = bytearray(call(nv.nvrtcGetProgramLogSize(prog), "NVRTC log size"))
-        call(nv.nvrtcGetProgramLog(prog, buf), "NVRTC log")
-        if int(status) != 0:
-            text = bytes(buf).rstrip(b"\0").decode(errors="replace")
-            first = next((ln.strip() for ln in text.splitlines() if "error" in ln), text.strip()[:200])
-            raise KernelUnavailable(f"NVRTC could not compile {WRAPPER.source}: {first}")
-        out = bytearray(call(nv.nvrtcGetLTOIRSize(prog), "NVRTC LTO IR size"))
-        call(nv.nvrtcGetLTOIR(prog, out), "NVRTC LTO IR")
-        return bytes(out)
-    finally:
-        nv.nvrtcDestroyProgram(prog)
+    """NVRTC: the wrapper kernel as LTO IR for sm_``arch`` (:func:`.nvrtc._compile`, its error log
+    saved like any compile's)."""
+    tag = f"heev-{heev.dtype}-n{heev.n}"
+    return nvrtc._compile(WRAPPER, nvrtc.sources(WRAPPER), heev.defines(), tag, nvrtc.Target(heev.arch),
+                          ("-dlto", "-rdc=true"), ltoir=True)[0]
 
 
 def _link(arch: int, parts: list[tuple[str, bytes, str]]) -> tuple[bytes, str]:

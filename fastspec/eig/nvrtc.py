@@ -326,9 +326,10 @@ def private_cache() -> Path | None:
 
 
 def _compile(program: Program, src: dict[str, str], defines: tuple[str, ...], tag: str, target: Target,
-             extra: tuple[str, ...]) -> tuple[bytes, str]:
-    """NVRTC: the sources ``src`` (:func:`sources`) -> (cubin or PTX, log). KernelUnavailable on a
-    compile error, with the log written to a file the message names."""
+             extra: tuple[str, ...], ltoir: bool = False) -> tuple[bytes, str]:
+    """NVRTC: the sources ``src`` (:func:`sources`) -> (cubin or PTX, log); with ``ltoir`` (and
+    ``-dlto`` among ``extra``) LTO IR for nvJitLink instead (:mod:`.mathdx`). KernelUnavailable on
+    a compile error, with the log written to a file the message names."""
     nvrtc = _nvrtc()
     heads = program.headers
     prog = _call(nvrtc.nvrtcCreateProgram(src[program.source].encode(), program.source.encode(), len(heads),
@@ -347,7 +348,8 @@ def _compile(program: Program, src: dict[str, str], defines: tuple[str, ...], ta
             first = next((ln.strip() for ln in text.splitlines() if "error" in ln), text.strip()[:200])
             raise KernelUnavailable(f"NVRTC could not compile {program.source} ({tag}, {target.name}): "
                                     f"{first}; full log: {where}")
-        get_size, get = ((nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX) if target.ptx
+        get_size, get = ((nvrtc.nvrtcGetLTOIRSize, nvrtc.nvrtcGetLTOIR) if ltoir
+                         else (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX) if target.ptx
                          else (nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN))
         out = bytearray(_call(get_size(prog), "image size"))
         _call(get(prog, out), "image")
