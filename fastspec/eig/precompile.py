@@ -21,7 +21,7 @@ import sys
 
 from . import nvrtc
 from .cuda import DeviceSpec, variant_for
-from .variants import ALGORITHMS, EXTERNAL, names
+from .variants import ALGORITHMS, EXTERNAL, names, takes
 
 COV = "cov_gram"  # the algo field of a covariance Gram job in todo()'s list
 
@@ -77,10 +77,7 @@ def todo(arch: int, sizes, dtypes, algos=("block",)) -> list[tuple[int, str, int
     for a in wanted:
         for d in dtypes:
             for n in sizes:
-                if a in EXTERNAL:
-                    if d not in EXTERNAL[a]:
-                        continue
-                elif not ALGORITHMS[a].takes(n, d):
+                if not takes(a, n, d):
                     continue
                 try:
                     variant_for(n, d, spec, a)
