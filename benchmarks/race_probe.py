@@ -65,11 +65,13 @@ FLUSH: tl.constexpr = tk.FLUSH_ROWS
 
 @triton.jit
 def _variant_dot(b_a, b_b, b_acc, b_blk, i_blk, SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr,
-                 PRECISION: tl.constexpr, ACC: tl.constexpr, FLUSH_IF: tl.constexpr):
+                 PRECISION: tl.constexpr, ACC: tl.constexpr, LOLO: tl.constexpr, FLUSH_SELECT: tl.constexpr,
+                 FLUSH_IF: tl.constexpr):
     """Uncentred ACC=2 rows into the block tile, flushed under an ``if`` every FLUSH rows
     (FLUSH_IF) or never (``_gram_flush`` adds it after the loop); anything else: the library."""
-    if SPLIT_BF16 or ACC != 2:
-        b_acc, b_blk = LIBRARY_GRAM(b_a, b_b, b_acc, b_blk, i_blk, SPLIT_BF16, UPCAST, PRECISION, ACC)
+    if SPLIT_BF16 or ACC != 2 or not FLUSH_SELECT:  # the split, or the library's unrolled flush
+        b_acc, b_blk = LIBRARY_GRAM(b_a, b_b, b_acc, b_blk, i_blk, SPLIT_BF16, UPCAST, PRECISION, ACC, LOLO,
+                                    FLUSH_SELECT)
     else:
         if UPCAST:  # the interpreter (--dry-run): 16-bit products exact in fp32
             b_a, b_b = b_a.to(tl.float32), b_b.to(tl.float32)
@@ -84,16 +86,19 @@ def _variant_dot(b_a, b_b, b_acc, b_blk, i_blk, SPLIT_BF16: tl.constexpr, UPCAST
 
 @triton.jit
 def gram_branch(b_a, b_b, b_acc, b_blk, i_blk, SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr,
-                PRECISION: tl.constexpr, ACC: tl.constexpr):
+                PRECISION: tl.constexpr, ACC: tl.constexpr, LOLO: tl.constexpr = True,
+                FLUSH_SELECT: tl.constexpr = True):
     """The tile flushed under an ``if`` every FLUSH rows (what raced)."""
-    return _variant_dot(b_a, b_b, b_acc, b_blk, i_blk, SPLIT_BF16, UPCAST, PRECISION, ACC, True)
+    return _variant_dot(b_a, b_b, b_acc, b_blk, i_blk, SPLIT_BF16, UPCAST, PRECISION, ACC, LOLO, FLUSH_SELECT, True)
 
 
 @triton.jit
 def gram_end(b_a, b_b, b_acc, b_blk, i_blk, SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr,
-             PRECISION: tl.constexpr, ACC: tl.constexpr):
+             PRECISION: tl.constexpr, ACC: tl.constexpr, LOLO: tl.constexpr = True,
+             FLUSH_SELECT: tl.constexpr = True):
     """The tile carried over the whole loop (``_gram_flush`` adds it after)."""
-    return _variant_dot(b_a, b_b, b_acc, b_blk, i_blk, SPLIT_BF16, UPCAST, PRECISION, ACC, False)
+    return _variant_dot(b_a, b_b, b_acc, b_blk, i_blk, SPLIT_BF16, UPCAST, PRECISION, ACC, LOLO, FLUSH_SELECT,
+                        False)
 
 
 def install(variant: str) -> None:

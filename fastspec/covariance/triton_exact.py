@@ -111,7 +111,7 @@ from torch import Tensor
 from ._triton_compat import fix_interpreter_index
 from .blocked import Workspace, shared_workspace
 from .reference import CovPartials
-from .triton_kernels import _row_keep, _row_offsets
+from .triton_kernels import _lower_pair, _row_keep, _row_offsets
 from .triton_update import check_args
 
 __all__ = ["CHUNK_ELEMS", "Totals", "accumulate_prep_gemm", "accumulate_triton_f64", "partials_prep_gemm",
@@ -155,18 +155,6 @@ def _nonfinite_f64(b_x):
     In float64, not float32 (``triton_kernels._nonfinite``): a finite float64 value above
     3.4e38 would become Inf in float32 and its row would be rejected."""
     return tl.sum(((b_x - b_x) != 0).to(tl.int32), axis=1)
-
-
-@triton.jit
-def _lower_pair(i_p):
-    """Tile pair (i_r, i_c), i_r >= i_c, of the p-th lower-triangle tile: p = i_r(i_r+1)/2 + i_c.
-
-    The float square root is exact enough for p < 2^21 and the two integer corrections fix any
-    off-by-one of it (``tl.sqrt`` may be approximate)."""
-    i_r = ((tl.sqrt((8 * i_p + 1).to(tl.float32)) - 1.0) * 0.5).to(tl.int32)
-    i_r = tl.where(i_r * (i_r + 1) // 2 > i_p, i_r - 1, i_r)
-    i_r = tl.where((i_r + 1) * (i_r + 2) // 2 <= i_p, i_r + 1, i_r)
-    return i_r, i_p - i_r * (i_r + 1) // 2
 
 
 @triton.jit

@@ -17,8 +17,10 @@ Design envelope
   (``CENTER=False``, the ``sv`` key probe) products are exact. Centered rows ``d = x − c`` are
   fp32; they are split ``d ≈ hi + lo`` (both bf16, 16 significant bits, exact whenever ``d``
   needs ≤ 16 bits; ``c`` lies on a grid of spacing ≥ σ/32 (``_center_kernel``), so ``d`` is a
-  multiple of ``min(σ/32, ulp(x))`` and rows up to ~2^11·σ from ``c`` stay exact) and ``d dᵀ = hi hiᵀ + hi loᵀ + lo hiᵀ + lo loᵀ``: 4 dots (dropping
-  ``lo loᵀ`` biases the diagonal by ~2^-18 relative, far above fp32 error). fp32 input uses
+  multiple of ``min(σ/32, ulp(x))`` and rows up to ~2^11·σ from ``c`` stay exact) and ``d dᵀ = hi hiᵀ + hi loᵀ + lo hiᵀ + lo loᵀ``: 4 dots, or 3 where
+  the launch setting drops ``lo loᵀ`` (``LOLO``): that biases the diagonal by at most 2^-16
+  relative (~2^-19 typically, 0 where d fits 8 bits), above one fp32 rounding but below what an
+  fp32 sum of thousands of rows loses (docs/kernels.md, "Dropping lo·lo"). fp32 input uses
   ``input_precision="ieee"`` (never TF32): exact but on the FMA units, i.e. compute bound.
 * Determinism: fixed tile/row-block order, per-row-split partials written to a workspace and
   summed in a fixed order by the launcher; no atomics, no autotuning (a different pick between
@@ -34,6 +36,11 @@ Design envelope
   Row addresses: when every sequence has >= BT sampled rows (``TK_GE_BT``) the block's first
   (b, t) and offsets are carried from block to block and a row wraps into the next sequence at
   most once (one compare per row); otherwise int32 division of small numbers per row.
+* Launch settings of 16-bit input with ``D > 64`` (rows per block, warps, stages, the split's
+  ``lo·lo``, the unrolled flush ``UNROLL``, pre-split) are candidates of ``triton_configs.py``,
+  raced on a GPU by ``benchmarks/triton_race.py`` and read from its table; the first candidate
+  of each kernel is what follows here. After the partials, ``_finish_kernel`` sums the row
+  splits, the counts and ``c = 0`` in one launch (it replaced four torch launches).
 * Block sizes (launcher ``_rows_and_warps``): the largest row blocks that ptxas fits in 255
   registers without spilling in the row loop on sm_90 (Triton 3.9; checked by compiling without
   a GPU): BD=128 fused: 32 rows, 8 warps; BD<=64: 32-64 rows, 4 warps; tiled: 64 rows, 8 warps;
@@ -235,6 +242,18 @@ def _center_kernel(
 
 
 @triton.jit
+def _lower_pair(i_p):
+    """Tile pair (i_r, i_c), i_r >= i_c, of the p-th lower-triangle tile: p = i_r(i_r+1)/2 + i_c.
+
+    The float square root is exact enough for p < 2^21 and the two integer corrections fix any
+    off-by-one of it (``tl.sqrt`` may be approximate)."""
+    i_r = ((tl.sqrt((8 * i_p + 1).to(tl.float32)) - 1.0) * 0.5).to(tl.int32)
+    i_r = tl.where(i_r * (i_r + 1) // 2 > i_p, i_r - 1, i_r)
+    i_r = tl.where((i_r + 1) * (i_r + 2) // 2 <= i_p, i_r + 1, i_r)
+    return i_r, i_p - i_r * (i_r + 1) // 2
+
+
+@triton.jit
 def _round_to_bf16(b_f):
     """fp32 -> nearest bf16 value (ties to even), kept in fp32; finite input.
 
@@ -253,12 +272,17 @@ FLUSH_ROWS: tl.constexpr = tl.constexpr(128)
 
 @triton.jit
 def _gram_dot(b_a, b_b, b_acc, b_blk, i_blk, SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr,
-              PRECISION: tl.constexpr, ACC: tl.constexpr):
+              PRECISION: tl.constexpr, ACC: tl.constexpr, LOLO: tl.constexpr = True,
+              FLUSH_SELECT: tl.constexpr = True):
     """(b_acc, b_blk) with b_aᵀ b_b summed in: b_a: [BT, BM], b_b: [BT, BN] (zeros in invalid
     rows/columns), ``i_blk`` the row block's index in the caller's loop.
 
     SPLIT_BF16: the fp32 blocks are split hi + lo in bf16 (16 significant bits) and the four
-    bf16 products summed, so every d that needs <= 16 bits is multiplied exactly.
+    bf16 products summed, so every d that needs <= 16 bits is multiplied exactly. LOLO=False
+    drops lo·loᵀ (3 dots): bf16 keeps 8 significant bits, so |lo| <= 2^-8·|d| and each dropped
+    product is at most 2^-16·|d_i d_j| (~2^-19 on average); lo is 0 wherever d fits 8 bits
+    (docs/kernels.md, "Dropping lo·lo", bounds what that does to G; a launch setting of
+    ``triton_configs.py``).
     UPCAST (interpreter): bf16/fp16 operands go through fp32, where their products are exact.
     ACC: where the block's products are summed (the launcher's ``block_accumulation``: 2 for
     16-bit input, on tensor cores; 0 for fp32; ``benchmarks/gpu_diag.py accuracy`` sweeps them).
@@ -272,6 +296,9 @@ def _gram_dot(b_a, b_b, b_acc, b_blk, i_blk, SPLIT_BF16: tl.constexpr, UPCAST: t
     the split, was what cost the bits (a model that truncates each instruction's sum to fp32, so
     that a long chain drifts toward zero instead of averaging out, reproduces both numbers:
     ``benchmarks/tensor_core_sum_model.py``).
+
+    FLUSH_SELECT=False (uncentred ACC=2 only): no flush here; the caller's loop is unrolled over
+    a group of blocks and adds the tile after each group (``_fused_rows``'s UNROLL).
 
     Why the uncentred tile is carried across blocks: Triton rewrites ``acc + dot(a, b)`` (a
     dot from zero, then an add) into ``dot(a, b, acc)``, i.e. back into ACC=0 (compiled, the
@@ -292,13 +319,14 @@ def _gram_dot(b_a, b_b, b_acc, b_blk, i_blk, SPLIT_BF16: tl.constexpr, UPCAST: t
             b_acc = tl.dot(tl.trans(b_ah), b_bh, b_acc, input_precision=PRECISION)
             b_acc = tl.dot(tl.trans(b_ah), b_bl, b_acc, input_precision=PRECISION)
             b_acc = tl.dot(tl.trans(b_al), b_bh, b_acc, input_precision=PRECISION)
-            # lo·lo is ~2^-18 of d·d but of one sign on the diagonal: dropping it biases G
-            b_acc = tl.dot(tl.trans(b_al), b_bl, b_acc, input_precision=PRECISION)
+            if LOLO:  # <= 2^-16 of d·d, of one sign on the diagonal (docs/kernels.md)
+                b_acc = tl.dot(tl.trans(b_al), b_bl, b_acc, input_precision=PRECISION)
         else:
             # this block's own tile (``b_blk`` stays unused: four chained dots are never folded)
             b_t = tl.dot(tl.trans(b_ah), b_bl, input_precision=PRECISION)
             b_t = tl.dot(tl.trans(b_al), b_bh, b_t, input_precision=PRECISION)
-            b_t = tl.dot(tl.trans(b_al), b_bl, b_t, input_precision=PRECISION)
+            if LOLO:
+                b_t = tl.dot(tl.trans(b_al), b_bl, b_t, input_precision=PRECISION)
             if ACC == 1:
                 b_acc = tl.dot(tl.trans(b_ah), b_bh, b_acc, input_precision=PRECISION) + b_t
             else:
@@ -307,7 +335,9 @@ def _gram_dot(b_a, b_b, b_acc, b_blk, i_blk, SPLIT_BF16: tl.constexpr, UPCAST: t
     else:
         if UPCAST:
             b_a, b_b = b_a.to(tl.float32), b_b.to(tl.float32)
-        if ACC == 2:
+        if ACC == 2 and not FLUSH_SELECT:
+            b_blk = tl.dot(tl.trans(b_a), b_b, b_blk, input_precision=PRECISION)
+        elif ACC == 2:
             BT: tl.constexpr = b_a.shape[0]
             tl.static_assert(FLUSH_ROWS // BT >= 2, "one block per flush would be folded into ACC=0")
             b_blk = tl.dot(tl.trans(b_a), b_b, b_blk, input_precision=PRECISION)
@@ -358,10 +388,15 @@ def _fused_rows(
     stride_xb, stride_xt, stride_xd, stride_mb, stride_mt, o_d, m_d,
     HAS_MASK: tl.constexpr, CENTER: tl.constexpr, SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr, ACC: tl.constexpr, EXACT: tl.constexpr, TK_GE_BT: tl.constexpr, BT: tl.constexpr,
-    BD: tl.constexpr,
+    BD: tl.constexpr, LOLO: tl.constexpr, UNROLL: tl.constexpr,
 ):
     """(G, Σd, valid rows, rejected rows) over rows [r_lo, r_hi) of one site, the tile holding
     whole rows (one read of x).
+
+    UNROLL > 1: the loop walks groups of UNROLL blocks (unrolled at compile time), and the
+    uncentred block tile (ACC=2) is added to G after each group, unconditionally: none of the
+    select's 2 x 64 instructions per thread and block, and no branch (an ``if`` flush raced on an
+    H100). UNROLL = 1: the select every block (``_gram_dot``).
 
     EXACT=False (the fast pass): every kept row is merged, with no finiteness test; a NaN/±Inf
     in any kept row makes Σd non-finite, and the caller then reruns with EXACT=True, which tests
@@ -395,46 +430,53 @@ def _fused_rows(
         jump_m = stride_mb - Tk * stride_mk
         o_xi = o_i.to(tl.int64) * stride_xk
         o_mi = o_i.to(tl.int64) * stride_mk
-    for r0 in range(r_lo, r_hi, BT):
-        m_r = o_i < r_hi - r0
-        if TK_GE_BT:
-            wrap = t0 + o_i >= Tk
-            o_row = o_x0 + o_xi + wrap.to(tl.int64) * jump_x
-            o_mrow = o_m0 + o_mi + wrap.to(tl.int64) * jump_m
-            t0 += BT
-            step = t0 >= Tk
-            o_x0 += BT * stride_xk + tl.where(step, jump_x, 0)
-            o_m0 += BT * stride_mk + tl.where(step, jump_m, 0)
-            t0 = tl.where(step, t0 - Tk, t0).to(tl.int32)
-        else:
-            # Tk < BT (short or heavily subsampled sequences): int32 division of small numbers
-            o_t = t0 + o_i  # < Tk + BT
-            o_b = b0 + (o_t // Tk).to(tl.int64)
-            o_t = (o_t % Tk).to(tl.int64)
-            o_row = o_b * stride_xb + o_t * stride_xk
-            o_mrow = o_b * stride_mb + o_t * stride_mk
-            t0 += BT
-            b0 += (t0 // Tk).to(tl.int64)
-            t0 = (t0 % Tk).to(tl.int32)
-        if HAS_MASK:
-            keep = m_r & (tl.load(p_mask + o_mrow, mask=m_r, other=0) != 0)
-        else:
-            keep = m_r
-        b_x = tl.load((p_xs + o_row)[:, None] + p_xd[None, :], mask=keep[:, None] & m_d[None, :], other=0)
-        if EXACT:
-            ok = _nonfinite(b_x, 1) == 0
-            valid = keep & ok
-            b_rej += (keep & ~ok).to(tl.int32)
-        else:
-            valid = keep
-        b_n += valid.to(tl.int32)
-        if CENTER or EXACT:
-            b_a = _prep_block(b_x, valid[:, None] & m_d[None, :], b_c, CENTER)
-        else:
-            b_a = b_x  # the masked load already zeroed what is not valid
-        b_G, b_blk = _gram_dot(b_a, b_a, b_G, b_blk, i_blk, SPLIT_BF16, UPCAST, PRECISION, ACC)
-        i_blk += 1  # noqa: SIM113 - a Triton loop: no enumerate()
-        b_S += b_a.to(tl.float32)
+    if UNROLL > 1 and ACC == 2 and not SPLIT_BF16:
+        tl.static_assert(UNROLL >= 2, "one block per flush would be folded into ACC=0")
+    for g0 in range(r_lo, r_hi, BT * UNROLL):
+        for u in tl.static_range(UNROLL):
+            r0 = g0 + u * BT
+            m_r = o_i < r_hi - r0
+            if TK_GE_BT:
+                wrap = t0 + o_i >= Tk
+                o_row = o_x0 + o_xi + wrap.to(tl.int64) * jump_x
+                o_mrow = o_m0 + o_mi + wrap.to(tl.int64) * jump_m
+                t0 += BT
+                step = t0 >= Tk
+                o_x0 += BT * stride_xk + tl.where(step, jump_x, 0)
+                o_m0 += BT * stride_mk + tl.where(step, jump_m, 0)
+                t0 = tl.where(step, t0 - Tk, t0).to(tl.int32)
+            else:
+                # Tk < BT (short or heavily subsampled sequences): int32 division of small numbers
+                o_t = t0 + o_i  # < Tk + BT
+                o_b = b0 + (o_t // Tk).to(tl.int64)
+                o_t = (o_t % Tk).to(tl.int64)
+                o_row = o_b * stride_xb + o_t * stride_xk
+                o_mrow = o_b * stride_mb + o_t * stride_mk
+                t0 += BT
+                b0 += (t0 // Tk).to(tl.int64)
+                t0 = (t0 % Tk).to(tl.int32)
+            if HAS_MASK:
+                keep = m_r & (tl.load(p_mask + o_mrow, mask=m_r, other=0) != 0)
+            else:
+                keep = m_r
+            b_x = tl.load((p_xs + o_row)[:, None] + p_xd[None, :], mask=keep[:, None] & m_d[None, :], other=0)
+            if EXACT:
+                ok = _nonfinite(b_x, 1) == 0
+                valid = keep & ok
+                b_rej += (keep & ~ok).to(tl.int32)
+            else:
+                valid = keep
+            b_n += valid.to(tl.int32)
+            if CENTER or EXACT:
+                b_a = _prep_block(b_x, valid[:, None] & m_d[None, :], b_c, CENTER)
+            else:
+                b_a = b_x  # the masked load already zeroed what is not valid
+            b_G, b_blk = _gram_dot(b_a, b_a, b_G, b_blk, i_blk, SPLIT_BF16, UPCAST, PRECISION, ACC, LOLO, UNROLL == 1)
+            i_blk += 1  # noqa: SIM113 - a Triton loop: no enumerate()
+            b_S += b_a.to(tl.float32)
+        if UNROLL > 1:
+            b_G = _gram_flush(b_G, b_blk, SPLIT_BF16, ACC)
+            b_blk = tl.zeros_like(b_blk)
     b_G = _gram_flush(b_G, b_blk, SPLIT_BF16, ACC)
     return b_G, tl.sum(b_S, axis=0), tl.sum(b_n, axis=0), tl.sum(b_rej, axis=0)
 
@@ -449,17 +491,18 @@ def _cov_partials_kernel(
     HAS_MASK: tl.constexpr, FUSED_STATUS: tl.constexpr, CENTER: tl.constexpr,
     SPLIT_BF16: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     NTILE: tl.constexpr, TK_GE_BT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    LOLO: tl.constexpr = True, UNROLL: tl.constexpr = 1,
 ):
     """One (tile of G, site, row split): partial Σ d dᵀ over rows [i_k·RPS, (i_k+1)·RPS).
 
-    Grid (NTILE², S, SPLIT); d = x − c (CENTER) or x, rows not valid contribute 0.
+    Grid (NTILE(NTILE+1)/2, S, SPLIT): the tiles (i_m, i_n), i_m <= i_n, of one triangle (the
+    other is stored as their mirror); d = x − c (CENTER) or x, rows not valid contribute 0.
     Outputs, all fp32/int32 workspaces indexed [i_k, s]: G [D, D], s = Σd [D] (diagonal tiles),
     and with FUSED_STATUS (NTILE == 1, the tile holds whole rows) n and rejected counts.
     """
     i_t, i_s, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_m, i_n = i_t // NTILE, i_t % NTILE
-    if i_m > i_n:
-        return  # lower triangle: written as the transpose of tile (i_n, i_m)
+    # no program for the other triangle (written as the mirror of this one's tiles)
+    i_n, i_m = _lower_pair(i_t)
     o_m = i_m * BD + tl.arange(0, BD)
     o_n = i_n * BD + tl.arange(0, BD)
     m_m, m_n = o_m < D, o_n < D
@@ -473,14 +516,14 @@ def _cov_partials_kernel(
         b_G, b_sum, n_ok, n_rej = _fused_rows(
             p_xs, p_mask, p_cs, r_lo, r_hi, Tk, ROW_STEP, stride_xb, stride_xt, stride_xd,
             stride_mb, stride_mt, o_m, m_m, HAS_MASK, CENTER, SPLIT_BF16, UPCAST, PRECISION, ACC,
-            False, TK_GE_BT, BT, BD)
+            False, TK_GE_BT, BT, BD, LOLO, UNROLL)
         if _nonfinite(b_sum, 0) != 0:
             # some kept row is not finite (or Σd overflowed): redo this program's rows with
             # the exact per-row test, so rejected rows are counted and never merged
             b_G, b_sum, n_ok, n_rej = _fused_rows(
                 p_xs, p_mask, p_cs, r_lo, r_hi, Tk, ROW_STEP, stride_xb, stride_xt, stride_xd,
                 stride_mb, stride_mt, o_m, m_m, HAS_MASK, CENTER, SPLIT_BF16, UPCAST, PRECISION, ACC,
-                True, TK_GE_BT, BT, BD)
+                True, TK_GE_BT, BT, BD, LOLO, UNROLL)
     else:
         b_G = tl.zeros([BD, BD], dtype=tl.float32)
         b_blk = tl.zeros([BD, BD], dtype=tl.float32)
@@ -495,7 +538,7 @@ def _cov_partials_kernel(
             valid = b_st == 1
             b_a = _load_prepped(p_row, o_m, m_m, valid, p_cs, stride_xd, CENTER)
             b_b = _load_prepped(p_row, o_n, m_n, valid, p_cs, stride_xd, CENTER)
-            b_G, b_blk = _gram_dot(b_a, b_b, b_G, b_blk, i_blk, SPLIT_BF16, UPCAST, PRECISION, ACC)
+            b_G, b_blk = _gram_dot(b_a, b_b, b_G, b_blk, i_blk, SPLIT_BF16, UPCAST, PRECISION, ACC, LOLO)
             i_blk += 1  # noqa: SIM113 - a Triton loop: no enumerate()
             b_sum += tl.sum(b_a.to(tl.float32), axis=0)
         b_G = _gram_flush(b_G, b_blk, SPLIT_BF16, ACC)
@@ -516,3 +559,70 @@ def _cov_partials_kernel(
     if FUSED_STATUS:
         tl.store(p_n + i_k.to(tl.int64) * S + i_s, n_ok)
         tl.store(p_rej + i_k.to(tl.int64) * S + i_s, n_rej)
+
+
+@triton.jit
+def _finish_kernel(
+    p_Gw, p_sw, p_cnt, p_status, p_G, p_s, p_c, p_nr,
+    S, D, N, SPLIT,
+    FROM_STATUS: tl.constexpr, ZERO_C: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+):
+    """The launcher's last step, one launch: the row splits' partials summed in a fixed order.
+
+    Grid (cdiv(D, BR)², S); program (tile, s) writes its BR x BR tile of
+    ``G[s] = Σ_k Gw[k, s]`` (``Gw [SPLIT, S, D, D]``, every split exactly symmetric, so the sum
+    is too), the first tile column also ``s[s, rows] = Σ_k sw[k, s, rows]`` (``sw [SPLIT, S, D]``)
+    and, with ZERO_C, ``c[s, rows] = 0``; tile 0 writes ``nr [2, S]`` int64, valid and rejected
+    rows, from the fused kernel's per-split counts ``cnt [2, SPLIT, S]`` int32 or (FROM_STATUS)
+    from ``status [S, N]`` int8 (1 valid, 2 rejected). BK splits are loaded at once and reduced
+    by ``tl.sum`` (a fixed tree: the same bits every launch), so their loads are in flight
+    together. Replaces four torch launches (c's zeros, the three split sums): each costs a few
+    µs of device time on a keys update of ~20 µs.
+    """
+    i_t, i_s = tl.program_id(0), tl.program_id(1)
+    nt = tl.cdiv(D, BR)
+    i_r, i_c = i_t // nt, i_t % nt
+    o_e = tl.arange(0, BR * BR)
+    o_r = i_r * BR + o_e // BR
+    o_c = i_c * BR + o_e % BR
+    m_e = (o_r < D) & (o_c < D)
+    DD = D.to(tl.int64) * D
+    o_tile = i_s * DD + o_r.to(tl.int64) * D + o_c
+    o_k = tl.arange(0, BK)
+    b_G = tl.zeros([BR * BR], dtype=tl.float32)
+    for k0 in range(0, SPLIT, BK):
+        m_k = (k0 + o_k) < SPLIT
+        b_g = tl.load(p_Gw + (k0 + o_k)[:, None].to(tl.int64) * S * DD + o_tile[None, :],
+                      mask=m_k[:, None] & m_e[None, :], other=0.0)
+        b_G += tl.sum(b_g, axis=0)
+    tl.store(p_G + o_tile, b_G, mask=m_e)
+    if i_c == 0:
+        o_d = i_r * BR + tl.arange(0, BR)
+        m_d = o_d < D
+        b_s = tl.zeros([BR], dtype=tl.float32)
+        for k0 in range(0, SPLIT, BK):
+            m_k = (k0 + o_k) < SPLIT
+            b_sk = tl.load(p_sw + ((k0 + o_k)[:, None].to(tl.int64) * S + i_s) * D + o_d[None, :],
+                           mask=m_k[:, None] & m_d[None, :], other=0.0)
+            b_s += tl.sum(b_sk, axis=0)
+        tl.store(p_s + i_s * D + o_d, b_s, mask=m_d)
+        if ZERO_C:
+            tl.store(p_c + i_s * D + o_d, tl.zeros([BR], dtype=tl.float32), mask=m_d)
+    if i_t == 0:
+        if FROM_STATUS:
+            o_n = tl.arange(0, BN)
+            b_ok = tl.zeros([BN], dtype=tl.int64)
+            b_bad = tl.zeros([BN], dtype=tl.int64)
+            for r0 in range(0, N, BN):
+                b_st = tl.load(p_status + i_s.to(tl.int64) * N + r0 + o_n, mask=r0 + o_n < N, other=0)
+                b_ok += (b_st == 1).to(tl.int64)
+                b_bad += (b_st == 2).to(tl.int64)
+        else:
+            b_ok = tl.zeros([BK], dtype=tl.int64)
+            b_bad = tl.zeros([BK], dtype=tl.int64)
+            for k0 in range(0, SPLIT, BK):
+                m_k = (k0 + o_k) < SPLIT
+                b_ok += tl.load(p_cnt + (k0 + o_k) * S + i_s, mask=m_k, other=0).to(tl.int64)
+                b_bad += tl.load(p_cnt + (SPLIT + k0 + o_k) * S + i_s, mask=m_k, other=0).to(tl.int64)
+        tl.store(p_nr + i_s, tl.sum(b_ok, axis=0))
+        tl.store(p_nr + S + i_s, tl.sum(b_bad, axis=0))

@@ -12,18 +12,22 @@ Per call, with no host sync (sizes come from shapes only) on the current CUDA st
 
 1. ``_center_kernel`` (center=True): ``c[S, D]``.
 2. ``_row_status_kernel`` (only when ``D`` > one tile): per-row valid/rejected flags ``[S, N]``.
-3. ``_cov_partials_kernel``: grid (tile pairs of G, site, row split) writes fp32 partials to a
-   workspace ``[SPLIT, S, D, D]``, each exactly symmetric (upper-triangle tiles stored with their
-   mirror, diagonal tiles averaged with their transpose in-kernel); the split axis is then summed
-   by torch in a fixed order. For D <= 128 (whole rows in one tile) a program merges its rows
-   without testing them one by one and reruns them with the exact per-row test only if its
-   Σd comes out non-finite (some kept row has a NaN/±Inf, or the sum overflowed).
+3. ``_cov_partials_kernel``: grid (triangle tiles of G, site, row split) writes fp32 partials
+   to a workspace ``[SPLIT, S, D, D]``, each exactly symmetric (upper-triangle tiles stored with
+   their mirror, diagonal tiles averaged with their transpose in-kernel). For D <= 128 (whole
+   rows in one tile) a program merges its rows without testing them one by one and reruns them
+   with the exact per-row test only if its Σd comes out non-finite (some kept row has a
+   NaN/±Inf, or the sum overflowed). A pre-split candidate (wide D, centred 16-bit input)
+   replaces this step with ``triton_presplit.presplit_partials``.
+4. ``_finish_kernel``: the row splits summed in a fixed order, the counts, and ``c = 0`` when
+   not centred, in one launch (a wide D with one row split needs none: its partials are the sums).
 
-Grid and pipeline (:func:`launch_config`): for the keys shape ``[8, 2048, 8, 128]`` bf16 on an
-H100, 8 heads × 16 row splits = 128 programs of 1024 rows (one wave, one 8-warp program per
-SM), a 4-deep ``cp.async`` load pipeline for the uncentered (memory-bound) loop, and an 8.4 MB
-workspace (1/4 of the input). Predicted (a cost model, not a measurement; see the header of
-``triton_kernels.py``): ≈ 12.5 µs uncentered (~80 % of HBM bandwidth), ≈ 20 µs centered.
+An uncentred keys update is thus 2 launches, a centred one 3. Launch settings of 16-bit input
+with ``D > 64`` are a measured candidate of :mod:`.triton_configs`; the grid (:func:`launch_config`)
+for the keys shape ``[8, 2048, 8, 128]`` bf16 on an H100: 8 heads × 16 row splits = 128 programs
+of 1024 rows (one wave, one 8-warp program per SM), and an 8.4 MB workspace (1/4 of the input).
+Predicted (a cost model, not a measurement; see the header of ``triton_kernels.py`` and
+docs/kernels.md): ≈ 12.5 µs uncentered (~80 % of HBM bandwidth), ≈ 20 µs centered.
 """
 from __future__ import annotations
 
@@ -38,12 +42,23 @@ from torch import Tensor
 
 from .. import _args
 from .reference import CovPartials, covariance_partials_reference
-from .triton_kernels import _center_kernel, _cov_partials_kernel, _row_status_kernel
+from .triton_configs import TritonConfig, arch_of, choose, kernel_of
+from .triton_kernels import (
+    _center_kernel,
+    _cov_partials_kernel,
+    _finish_kernel,
+    _row_status_kernel,
+)
+from .triton_presplit import presplit_partials
 
 __all__ = ["covariance_partials_triton", "block_accumulation", "launch_config", "pipeline_stages"]
 
 # rows sampled for the center; enough to put c within ~std/8 of the mean
 CENTER_ROWS = 64
+
+# the finish kernel: BR x BR tiles of G (16 programs a site at D = 128), BK row splits loaded
+# at once (the keys case's 16 in two steps), BN status bytes per step of the wide path's counts
+FINISH_BR, FINISH_BK, FINISH_BN = 32, 8, 1024
 
 # every buffer the kernels write goes through this (tests swap in a NaN-filling version so a
 # kernel that skips part of an output fails loudly instead of reading stale zeros)
@@ -77,6 +92,10 @@ class LaunchConfig(NamedTuple):
     split: int  # row splits (programs per (tile, site) along N)
     rows_per_split: int
     num_stages: int = STAGES  # software-pipelining depth of the row loop's loads (Triton's num_stages)
+    lolo: bool = True  # the centred split forms lo·loᵀ (triton_configs.TritonConfig.lolo)
+    presplit: bool = False  # tiled, centred 16-bit: hi/lo written by a pre-pass (triton_presplit.py)
+    name: str = ""  # the triton_configs candidate these settings come from ("" : fixed rules)
+    unroll: int = 1  # fused path: row blocks per unrolled group (TritonConfig.unroll)
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,10 +122,14 @@ def _rows_and_warps(BD: int, NTILE: int, elem_bytes: int) -> tuple[int, int]:
 
 
 def launch_config(N: int, S: int, D: int, device: torch.device, elem_bytes: int,
-                  split: int | None = None) -> LaunchConfig:
+                  split: int | None = None, candidate: TritonConfig | None = None) -> LaunchConfig:
     """Tiles for ``[N rows, S sites, D]``: whole rows for D <= 128, else 128-wide tiles of G.
 
-    ``split`` (tests) forces the number of row splits. By default (fused path, D <= 128):
+    ``candidate`` (16-bit input, ``64 < D``: the raced kernels of :mod:`.triton_configs`) sets
+    the rows per block, warps, stages (still capped by :func:`pipeline_stages`), ``lolo`` and
+    ``presplit``; without one (fp32 input, ``D <= 64``) the fixed rules of
+    :func:`_rows_and_warps` do. ``split`` (tests) forces the number of row splits. By default
+    (fused path, D <= 128):
 
     * one wave: ``S·split <= #SMs`` programs. The fused kernel holds a 128×128 fp32 ``G`` per
       program and uses 180-245 registers per thread at 8 warps, so one program per SM is
@@ -133,7 +156,15 @@ def launch_config(N: int, S: int, D: int, device: torch.device, elem_bytes: int,
     """
     BD = max(16, triton.next_power_of_2(D)) if D <= 128 else 128
     NTILE = triton.cdiv(D, BD)
-    BT, num_warps = _rows_and_warps(BD, NTILE, elem_bytes)
+    if candidate is not None:
+        if candidate.kernel != kernel_of(D) or elem_bytes != 2:
+            raise ValueError(f"candidate: {candidate.name!r} is a {candidate.kernel} setting; this update "
+                             f"({elem_bytes}-byte input, D={D}) runs {kernel_of(D) if elem_bytes == 2 else None}")
+        BT, num_warps, stages = candidate.BT, candidate.num_warps, candidate.num_stages
+        unroll = candidate.unroll if NTILE == 1 else 1
+    else:
+        BT, num_warps = _rows_and_warps(BD, NTILE, elem_bytes)
+        stages, unroll = STAGES, 1
     if split is None:
         pairs = S * NTILE * (NTILE + 1) // 2
         sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
@@ -142,13 +173,19 @@ def launch_config(N: int, S: int, D: int, device: torch.device, elem_bytes: int,
         min_rows = max(BT, 16 * D // elem_bytes)
         split = max(1, min(target, triton.cdiv(N, min_rows)))
     split = _args.integer("split", split, minimum=1)
-    rps = triton.cdiv(triton.cdiv(max(N, 1), split), BT) * BT
+    # whole unrolled groups per split (a group is one trip of the row loop)
+    group = BT * unroll
+    rps = triton.cdiv(triton.cdiv(max(N, 1), split), group) * group
     split = triton.cdiv(max(N, 1), rps)
-    return LaunchConfig(BD, NTILE, BT, num_warps, split, rps, pipeline_stages(STAGES, N, rps, split, BT))
+    extra = {} if candidate is None else {"lolo": candidate.lolo, "presplit": candidate.presplit,
+                                          "name": candidate.name, "unroll": unroll}
+    return LaunchConfig(BD, NTILE, BT, num_warps, split, rps, pipeline_stages(stages, N, rps, split, group),
+                        **extra)
 
 
 def pipeline_stages(wanted: int, N: int, rows_per_split: int, split: int, BT: int) -> int:
-    """``wanted`` load-pipeline stages, but never more than the shortest program's row blocks.
+    """``wanted`` load-pipeline stages, but never more than the shortest program's row blocks
+    (``BT``: the rows of one trip of the loop, a block or an unrolled group of blocks).
 
     On an H100 (Triton 3.6, 2026-11-26, ``benchmarks/gpu_diag.py accuracy``) the fused kernel
     with 4 stages gave wrong sums that changed from launch to launch (a race, errors up to 19 %)
@@ -226,7 +263,8 @@ def check_args(x: Tensor, mask: Tensor | None, row_step: int) -> int:
 
 def covariance_partials_triton(x: Tensor, mask: Tensor | None = None, row_step: int = 1,
                                center: bool = True, *, split: int | None = None,
-                               config: LaunchConfig | None = None, acc: int | None = None) -> CovPartials:
+                               config: LaunchConfig | None = None, acc: int | None = None,
+                               candidate: TritonConfig | None = None) -> CovPartials:
     """FP32 partials of one chunk ``x: [B, T, S, D]`` (any strides), ``mask: [B, T]`` or None.
 
     Rows ``x[b, t]`` for ``t = 0, k, 2k, ...`` (``k = row_step``) with ``mask[b, t]`` true are
@@ -235,6 +273,11 @@ def covariance_partials_triton(x: Tensor, mask: Tensor | None = None, row_step: 
     [S, D, D], rejected [S] int64)`` over valid rows; fp32 sums, ``c = 0`` when not ``center``,
     ``G`` exactly symmetric.
     float64 input is delegated to the torch reference (the kernels accumulate in fp32).
+
+    The launch settings of 16-bit input with ``D > 64`` are a candidate of
+    :mod:`~fastspec.covariance.triton_configs`: ``candidate`` (the race, tests), else the one
+    :func:`~fastspec.covariance.triton_configs.choose` picks (``$FASTSPEC_COV_TRITON_CONFIG``,
+    the measured table, the default).
 
     Diagnostics and tests only (``benchmarks/gpu_diag.py``): ``config`` replaces
     :func:`launch_config`'s tiling (its ``BD``/``NTILE`` must suit ``D``), ``acc`` picks where the
@@ -253,9 +296,15 @@ def covariance_partials_triton(x: Tensor, mask: Tensor | None = None, row_step: 
         zeros = torch.zeros(S, dtype=torch.int64, device=dev)
         return CovPartials(zeros, torch.zeros(S, D, **f32), torch.zeros(S, D, **f32),
                            torch.zeros(S, D, D, **f32), zeros.clone())
-    cfg = launch_config(N, S, D, dev, x.element_size(), split) if config is None else config
-    fused = cfg.NTILE == 1
     lowp = x.dtype in (torch.bfloat16, torch.float16)
+    if config is None:
+        kernel = kernel_of(D) if lowp else None
+        if candidate is None and kernel is not None:
+            candidate, _ = choose(kernel, arch_of(dev), x.dtype, bool(center))
+        cfg = launch_config(N, S, D, dev, x.element_size(), split, candidate)
+    else:
+        cfg = config
+    fused = cfg.NTILE == 1
     split_bf16 = bool(center) and lowp
     acc = block_accumulation(lowp) if acc is None else acc
     acc = _args.choice("acc", _args.integer("acc", acc, minimum=0), (0, 1, 2))
@@ -275,33 +324,45 @@ def covariance_partials_triton(x: Tensor, mask: Tensor | None = None, row_step: 
             _center_kernel[(S,)](x, mask, c, N, Tk, D, **common, ROUND_TO_INPUT=lowp,
                                  NC=CENTER_ROWS, BD=min(cfg.BD, 64))
         else:
-            c = torch.zeros(S, D, **f32)
+            c = _empty(S, D, **f32)  # zeros, written by the last launch
         if fused:
             status = c  # never read: FUSED_STATUS=True
         else:
             status = _empty(S, N, dtype=torch.int8, device=dev)
             _row_status_kernel[(triton.cdiv(N, 64), S)](x, mask, status, N, Tk, D, **common,
                                                          BT=64, BD=128, num_warps=8)
+        if cfg.presplit and split_bf16 and not fused:
+            G, s = presplit_partials(x, status, c, N, Tk, common, BT=cfg.BT, num_warps=cfg.num_warps,
+                                     num_stages=cfg.num_stages, lolo=cfg.lolo, upcast=_interpreting())
+            return CovPartials((status == 1).sum(1, dtype=torch.int64), c, s, G,
+                               (status == 2).sum(1, dtype=torch.int64))
         G_ws = _empty(cfg.split, S, D, D, **f32)
         s_ws = _empty(cfg.split, S, D, **f32)
         cnt = _empty(2, cfg.split, S, dtype=torch.int32, device=dev) if fused else c
-        _cov_partials_kernel[(cfg.NTILE * cfg.NTILE, S, cfg.split)](
+        _cov_partials_kernel[(cfg.NTILE * (cfg.NTILE + 1) // 2, S, cfg.split)](
             x, mask, status, c, G_ws, s_ws, cnt, cnt[1] if fused else c,
             N, Tk, D, S, cfg.rows_per_split, **common,
             FUSED_STATUS=fused, CENTER=bool(center), SPLIT_BF16=split_bf16,
             UPCAST=_interpreting(), PRECISION="ieee", ACC=acc,
-            NTILE=cfg.NTILE, TK_GE_BT=_ROW_CARRY and Tk >= cfg.BT, BT=cfg.BT, BD=cfg.BD, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
+            NTILE=cfg.NTILE, TK_GE_BT=_ROW_CARRY and Tk >= cfg.BT, BT=cfg.BT, BD=cfg.BD, LOLO=cfg.lolo,
+            # the centred split sums every block in its own tile: nothing to flush per group
+            UNROLL=1 if split_bf16 else cfg.unroll, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
-    # fixed-order reduction of the row splits (a plain dim reduction: no atomics)
-    # every split's G is exactly symmetric (the kernel symmetrizes diagonal tiles and mirrors
-    # the others), and an elementwise sum of symmetric matrices stays so: no G + Gᵀ pass here
-    G = G_ws[0] if cfg.split == 1 else G_ws.sum(0)
-    s = s_ws[0] if cfg.split == 1 else s_ws.sum(0)
-    if fused:
-        n, rejected = cnt.sum(1, dtype=torch.int64).unbind(0)
-    else:
-        n = (status == 1).sum(1, dtype=torch.int64)
-        rejected = (status == 2).sum(1, dtype=torch.int64)
-    return CovPartials(n, c, s, G, rejected)
-
+        if not fused and cfg.split == 1:
+            # one split of a wide D: the partials are the sums already (no copy of D² floats)
+            if not center:
+                c.zero_()
+            return CovPartials((status == 1).sum(1, dtype=torch.int64), c, s_ws[0], G_ws[0],
+                               (status == 2).sum(1, dtype=torch.int64))
+        # the row splits summed in a fixed order, c's zeros and the counts: one launch. Every
+        # split's G is exactly symmetric (the kernel symmetrizes diagonal tiles and mirrors the
+        # others), and an elementwise sum of symmetric matrices stays so: no G + Gᵀ pass
+        G = _empty(S, D, D, **f32)
+        s = _empty(S, D, **f32)
+        nr = _empty(2, S, dtype=torch.int64, device=dev)
+        BR = min(FINISH_BR, max(16, triton.next_power_of_2(D)))
+        nt = triton.cdiv(D, BR)
+        _finish_kernel[(nt * nt, S)](G_ws, s_ws, cnt, status, G, s, c, nr, S, D, N, cfg.split,
+                                     FROM_STATUS=not fused, ZERO_C=not center, BR=BR, BK=FINISH_BK,
+                                     BN=FINISH_BN, num_warps=4)
+    return CovPartials(nr[0], c, s, G, nr[1])
