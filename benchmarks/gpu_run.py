@@ -1,7 +1,7 @@
 """The offline GPU kit: fastspec measured on an H100/H200 in two capped commands, 13 minutes.
 
     python benchmarks/gpu_run.py 1 OUT          # headline numbers (first 4 minutes), covariance route race, eigensolver race and phases, race probe, GPU tests
-    python benchmarks/gpu_run.py 2 OUT          # profiles, every other size, training steps, Nsight Compute
+    python benchmarks/gpu_run.py 2 OUT          # Triton config race, profiles, every other size, training steps, Nsight Compute
     python benchmarks/gpu_run.py 3 OUT          # extra, when the lease has time left: key rank, sanitizers, compiled step
     python benchmarks/gpu_run.py --plan         # the time table; exit 1 if the plan breaks a limit
     python benchmarks/gpu_run.py --dry-run N OUT    # command N on CPU at tiny sizes (CI runs all 3)
@@ -43,9 +43,10 @@ OUT receives a few flat files (at most 8 come back from a GPU machine): ``gpu_ru
 step's start, cap, status and seconds, the versions, the summary), ``bench.json`` (this command's
 ``fastspec bench`` results merged: the ``benchmarks/results`` schema plus a ``gpu_run`` record),
 ``compare.json`` (command 3), ``cov_race.json`` (command 1: ``cov_race.py``), ``race.json`` (command 1:
-``eig_race.py``), ``phases.json`` (command 1: ``eig_phases.py``), ``tests.txt`` (command 1), ``diag.txt`` (``race_probe.py`` in command 1, ``gpu_diag.py`` in
+``eig_race.py``), ``phases.json`` (command 1: ``eig_phases.py``), ``triton_race.json`` (command 2:
+``triton_race.py``), ``tests.txt`` (command 1), ``diag.txt`` (``race_probe.py`` in command 1, ``gpu_diag.py`` in
 2), ``tools.txt`` (ncu in command 2, compute-sanitizer in 3), ``steps.txt`` (every other step's own output):
-8 in command 1, 5 in commands 2 and 3. Exit status: 0 when every step passed,
+8 in command 1, 6 in command 2, 5 in command 3. Exit status: 0 when every step passed,
 was capped or skipped an optional tool; 1 when a step failed; 2 on bad arguments.
 
 ``--dry-run`` runs exactly the same steps, in the same order and under the same caps, on CPU:
@@ -104,7 +105,7 @@ class Step:
     """One step of a command: ``kind`` says what runs (see :func:`argv`)."""
 
     name: str
-    kind: str            # build | kernels | env | bench | covrace | race | phases | probe | diag | tests | ncu | sanitize | compare | summary
+    kind: str            # build | kernels | env | bench | covrace | race | phases | probe | tritonrace | diag | tests | ncu | sanitize | compare | summary
     cap: int             # seconds of work (a bench/compare/tool step's --time-limit)
     grace: int = 0       # from the cap to the signal
     what: str = ""
@@ -177,10 +178,21 @@ PLAN: dict[int, tuple[Step, ...]] = {
              "installed): CUDA solver, Triton kernels on CUDA"),
         SUMMARY),
     2: (BUILD, KERNELS_AGAIN,
-        _diag("profile", 45, 10, "host vs device time of a keys update; torch.profiler of measure() and "
+        # which launch settings the float32 Triton covariance kernels use
+        # (fastspec/covariance/triton_configs.py): the table's rows, first in command 2 (numbers
+        # before profiles). 25 s: each candidate is a kernel of its own (~16, more with the check
+        # inputs' specializations), compiled in parallel by warm workers, then checks and timing
+        # of a second or two; the dry run ~10 s on 2 cores. Paid for by the every-other-size
+        # eigvalsh (30/15 -> 20/10), which always runs to its cap, the FFN covariance bench
+        # (20/10 -> 15/5: 8-10 s on every H100 and H200 run, and the race has just compiled its
+        # default launch) and diag-profile (45 -> 35: 29-34 s on every run)
+        Step("triton-race", "tritonrace", 25, 5, "triton_race.py: every launch setting of the float32 Triton "
+             "covariance kernels (keys raw and centred, FFN centred) checked (fp64, bitwise over 3 launches) "
+             "and timed (device µs, share of a copy's bandwidth, TFLOP/s); the table rows to commit"),
+        _diag("profile", 35, 10, "host vs device time of a keys update; torch.profiler of measure() and "
               "of a keys-streaming train step at the 1.5B shape"),
-        _bench("eigvalsh", 30, 15, "every other eigvalsh size (n 64/128/256, B up to 16384, fp64 B4096)", REST),
-        _bench("covariance", 20, 10, "FFN [16384, 8192] bf16: update, kernel, copy", REST),
+        _bench("eigvalsh", 20, 10, "every other eigvalsh size (n 64/128/256, B up to 16384, fp64 B4096)", REST),
+        _bench("covariance", 15, 5, "FFN [16384, 8192] bf16: update, kernel, copy", REST),
         _bench("train_step", 45, 15, "1.5B train step, keys + FFN streaming: emit_every 100, budget=0.01, "
                "emit_every 1"),
         # 35 s: at 30 both profiles ran out of time on the H100 (2026-11-27); 5 s from eigvalsh,
@@ -313,6 +325,9 @@ class Run:
             return [py, "benchmarks/gpu_diag.py", step.suite, "--time-limit", cap, *dry]
         if step.kind == "probe":
             return [py, "benchmarks/race_probe.py", "--kit", "--time-limit", cap, *dry]
+        if step.kind == "tritonrace":
+            return [py, "benchmarks/triton_race.py", "--json", str(self.out / "triton_race.json"), "--time-limit",
+                    cap, *dry]
         if step.kind in ("ncu", "sanitize"):
             return [py, "benchmarks/gpu_tools.py", step.kind, "--time-limit", cap, *dry]
         if step.kind == "summary":

@@ -11,7 +11,8 @@
 * Prints one line per result row (times, speedup, throughput or share of the copy's bandwidth,
   errors and a broken accuracy claim, or why it was skipped), the accuracy summary of
   ``compare.json``, the exact covariance update's route race per shape (``cov_race.json``), the
-  eigensolver race's winner and times per shape (``race.json``,
+  Triton covariance kernels' configuration race per case (``triton_race.json``: the winner, each
+  candidate's time and rate or why it fails), the eigensolver race's winner and times per shape (``race.json``,
   ``eig_race.py``), the three largest phases per algorithm and the call's verdict (``phases.json``,
   ``eig_phases.py``), the tools' verdicts from ``tools.txt``, the accuracy rows and timing lines
   of ``diag.txt`` (``race_probe.py --kit``, ``gpu_diag.py``) and pytest's closing line from ``tests.txt``, each failing
@@ -143,6 +144,23 @@ def _race_entry(name: str, a: dict) -> str:
     return f"{name} {a['ms']:.3g} ms " + (f"status != 0 on {bad} matrices" if bad else "FAILS accuracy")
 
 
+def _triton_entry(name: str, a: dict, kernel: str) -> str:
+    """One candidate of a Triton race line: its device time and rate (keys: share of the copy's
+    bandwidth; ffn: TFLOP/s), and its verdict."""
+    if "error" in a:
+        return f"{name} ERROR {a['error'][:120]}"
+    text = name
+    if a.get("device_us") is not None:
+        text += f" {a['device_us']:.3g} µs"
+        if kernel == "ffn" and a.get("TFLOPs") is not None:
+            text += f" {a['TFLOPs']:.3g} TFLOP/s"
+        elif a.get("pct_of_copy_bandwidth") is not None:
+            text += f" {a['pct_of_copy_bandwidth']:.0f}% of copy"
+    else:
+        text += " not timed"
+    return text + ("" if a.get("ok") else " FAILS " + "; ".join(a.get("check", {}).get("failed", []))[:160])
+
+
 def summary(out: Path, bench: dict | None) -> list[str]:
     lines = ["", "===== summary"]
     if bench is not None:
@@ -190,6 +208,14 @@ def summary(out: Path, bench: dict | None) -> list[str]:
                 for n, a in sorted(r["routes"].items(), key=lambda kv: kv[1]["update"]["device_us"]))
             lines.append(f"cov-race {r['shape']}: winner {r['winner']} ({times})")
         lines += [f"cov-race {name}: not run (time limit)" for name in doc.get("not_run", [])]
+    tri = out / "triton_race.json"
+    if tri.exists() and (doc := _load(tri)) is not None:  # triton_race.py: the launch settings per case
+        for r in doc.get("results", []):
+            entries = ", ".join(_triton_entry(n, a, r["kernel"]) for n, a in sorted(
+                r["candidates"].items(), key=lambda kv: kv[1].get("device_us", float("inf"))))
+            cut = "" if r.get("complete") else f"; cut short, not raced: {', '.join(r.get('not_raced', {})) or '-'}"
+            lines.append(f"triton-race {r['case']}: winner {r['winner']} ({entries}{cut})")
+        lines += [f"triton-race {name}: not run (time limit)" for name in doc.get("not_run", [])]
     tools = out / "tools.txt"
     if tools.exists():  # each tool's verdict lines: "<tool> <mode> <targets>: ok|finding|skipped..."
         lines += [ln for ln in tools.read_text(errors="replace").splitlines()

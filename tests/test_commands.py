@@ -1,9 +1,9 @@
 """``fastspec precompile`` (:mod:`fastspec.commands.precompile`): bad flags are one-line usage
 errors naming the flag, the work is the library's, and ``python -m fastspec.eig.precompile`` is
 the same command. Also what every command's ``--help`` promises about time, and ``fastspec info``'s
-cuSolverDx line. (Every command's ``--help`` staying light is tests/test_imports.py; the other
-commands have their own test files, and ``fastspec info``'s other lines are tested with what they
-report: tests/test_eig_nvrtc.py, tests/test_eig_variants.py, tests/test_covariance_routes.py.)"""
+cuSolverDx line and its ``triton cfg`` section. (Every command's ``--help`` staying light is
+tests/test_imports.py; the other commands have their own test files, and ``fastspec info``'s other
+lines are tested with what they report: tests/test_eig_nvrtc.py, tests/test_eig_variants.py, tests/test_covariance_routes.py.)"""
 from __future__ import annotations
 
 import importlib
@@ -65,7 +65,8 @@ def test_precompile_fills_the_cache_and_the_module_runs_the_same_command(tmp_pat
     assert len(list((tmp_path / "eig").iterdir())) == 1
     # python -m fastspec.eig.precompile: the same command, now a cache hit
     proc = subprocess.run([sys.executable, "-m", "fastspec.eig.precompile", "--arch", "90", "--n", "32",
-                           "--dtype", "float32", "--cov-d", "--jobs", "1"], capture_output=True, text=True, timeout=300)
+                           "--dtype", "float32", "--cov-d", "--jobs", "1"], capture_output=True, text=True, timeout=300,
+                          check=False)
     assert proc.returncode == 0, proc.stderr
     assert "float32-n32" in proc.stdout and " disk " in proc.stdout
     # the covariance Gram kernel: every input dtype of one head width, into the same cache
@@ -74,7 +75,7 @@ def test_precompile_fills_the_cache_and_the_module_runs_the_same_command(tmp_pat
     assert "1 variants for sm_90, 4 covariance Gram kernels" in out
     assert out.count("cov_gram-") == 4 and len(list((tmp_path / "eig").glob("cov_gram-*"))) == 4
     bad = subprocess.run([sys.executable, "-m", "fastspec.eig.precompile", "--arch", "91"],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, check=False)
     assert bad.returncode == 2 and "fastspec precompile: error: argument --arch" in bad.stderr
 
 
@@ -155,3 +156,58 @@ def test_info_says_why_cusolverdx_heev_is_absent(monkeypatch, capsys):
     assert "cov route: " in out
     d = json.loads(_info(capsys, "--json"))["eigvalsh_cusolverdx"]
     assert d == {"available": False, "reason": "OSError: libmathdx.so.0: bad ELF", "libmathdx": None}
+
+
+def test_info_reports_the_triton_launch_settings(monkeypatch, capsys):
+    from fastspec.covariance import triton_configs
+
+    monkeypatch.delenv(triton_configs.ENV, raising=False)
+    triton_configs.forget()
+    out = _info(capsys)
+    lines = out.splitlines()
+    i = next(i for i, ln in enumerate(lines) if ln.startswith("triton cfg: "))
+    assert lines[i].startswith("triton cfg: float32 Triton covariance kernels' launch settings on cpu (")
+    assert f"measured rows in {triton_configs.TABLE.name}; FASTSPEC_COV_TRITON_CONFIG forces one)" in lines[i]
+    choices = triton_configs.info(None)["choices"]
+    body = lines[i + 1:i + 1 + len(choices)]
+    assert len(body) == len(choices) == 8
+    for ln, c in zip(body, choices):  # kernel, dtype, convention, the candidate and why
+        assert ln.split()[:3] == [c["kernel"], c["dtype"], "centred" if c["center"] else "raw"]
+        assert ln.strip().endswith(f"{c['config']} ({c['why']})")
+        assert ln.split()[3] in triton_configs.BY_NAME
+    d = json.loads(_info(capsys, "--json"))["covariance_triton_configs"]
+    assert d["device"] == "cpu" and d["choices"] == choices and d["table"] == triton_configs.TABLE.name
+    assert d["override"] is None and d["rows"] == len(triton_configs.load_table())
+    # a forced candidate is named in the header and in every line of its kernel
+    name = triton_configs.CANDIDATES["ffn"][-1].name
+    monkeypatch.setenv(triton_configs.ENV, name)
+    out = _info(capsys)
+    assert f"FASTSPEC_COV_TRITON_CONFIG={name})" in out
+    assert sum("ffn  " in ln and name in ln for ln in out.splitlines()) == 4
+    # keys: the forced name is an ffn candidate, so each keys line says why it cannot run
+    assert sum(ln.split()[:1] == ["keys"] and " error " in ln for ln in out.splitlines()) == 4
+
+
+def test_info_reports_a_triton_table_or_query_that_fails_in_a_line(monkeypatch, capsys, tmp_path):
+    from fastspec.covariance import triton_configs
+
+    monkeypatch.delenv(triton_configs.ENV, raising=False)
+    bad = tmp_path / "triton_configs.json"
+    bad.write_text(json.dumps({"format": 1, "about": "x", "rows": [
+        {"arch": 90, "kernel": "keys", "dtype": "bfloat16", "center": True, "config": "no-such"}]}))
+    monkeypatch.setattr(triton_configs, "TABLE", bad)
+    triton_configs.forget()
+    try:
+        out = _info(capsys)
+        assert "triton cfg: float32 Triton covariance kernels' launch settings on cpu (? measured rows" in out
+        assert "  error: ValueError: triton_configs.json: config 'no-such' is not a keys candidate" in out
+        d = json.loads(_info(capsys, "--json"))["covariance_triton_configs"]
+        assert d["rows"] is None and d["error"].startswith("ValueError: ")
+        # asking failing outright is a line too, and the rest of the report still prints
+        monkeypatch.setattr(triton_configs, "info", lambda device=None: (_ for _ in ()).throw(RuntimeError("no\nmore")))
+        out = _info(capsys)
+        assert "triton cfg: cannot tell: RuntimeError: no\n" in out and "cov route: " in out
+        assert json.loads(_info(capsys, "--json"))["covariance_triton_configs"] == {"error": "RuntimeError: no",
+                                                                                    "choices": []}
+    finally:
+        triton_configs.forget()

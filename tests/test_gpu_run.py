@@ -36,6 +36,7 @@ try:
     import gpu_run
     import gpu_summary
     import gpu_tools
+    import triton_race
 finally:
     sys.path.remove(str(KIT))
 
@@ -371,7 +372,9 @@ def test_the_headline_numbers_come_first_and_the_tools_once():
     assert "ncu" not in kinds and "sanitize" not in kinds  # not in the command that gives the numbers
     diags = [s.suite for steps in gpu_run.PLAN.values() for s in steps if s.kind == "diag"]
     assert diags == ["profile"]
-    assert [s.kind for s in gpu_run.PLAN[2]].index("diag") == 2  # profiles first in command 2
+    # command 2: the Triton configuration race first (numbers before profiles), then the profiles
+    assert [s.kind for s in gpu_run.PLAN[2]][:4] == ["build", "kernels", "tritonrace", "diag"]
+    assert every_kind().count("tritonrace") == 1
     names = [s.name for steps in gpu_run.PLAN.values() for s in steps if s.kind == "bench"]
     assert len(names) == len(set(names))  # one JSON file per bench step
 
@@ -424,6 +427,17 @@ def test_the_cov_race_step_writes_its_json_into_out_under_its_cap(tmp_path):
         argv = gpu_run.Run(1, gpu_run.PLAN[1], tmp_path, tmp_path, dry).argv(step)
         assert argv[1:] == ["benchmarks/cov_race.py", "--json", str(tmp_path / "cov_race.json"),
                             "--time-limit", "25", *(["--dry-run"] if dry else [])]
+
+
+def test_the_triton_race_step_writes_its_json_into_out_under_its_cap(tmp_path):
+    step = next(s for s in gpu_run.PLAN[2] if s.kind == "tritonrace")
+    assert (step.name, step.cap, step.grace) == ("triton-race", 25, 5) and step.worst <= 40
+    for dry in (False, True):
+        argv = gpu_run.Run(2, gpu_run.PLAN[2], tmp_path, tmp_path, dry).argv(step)
+        assert argv[1:] == ["benchmarks/triton_race.py", "--json", str(tmp_path / "triton_race.json"),
+                            "--time-limit", "25", *(["--dry-run"] if dry else [])]
+    # its file is one of the few that come back from a GPU machine: command 2 stays within 8
+    assert gpu_run.DEST.get("tritonrace", "steps.txt") == "steps.txt"
 
 
 def test_the_kit_stays_offline():
@@ -782,6 +796,18 @@ def test_dry_run_of_the_whole_plan_offline_with_tools_and_anchors_missing(tmp_pa
     assert re.search(r"^dry-B2-T16-S2-D32-fp16: winner \w+ ", (tmp_path / "out1" / "steps.txt").read_text(),
                      re.MULTILINE)
     assert re.search(r"^cov-race dry-B2-T16-S2-D32-fp16: winner \w+ \(", logs[1], re.MULTILINE)  # the summary
+    # the Triton configuration race (command 2): every candidate of each case's kernel checked on
+    # CPU (interpreted) and timed as a stand-in, the default passing, its rows marked as a dry run's
+    tri = _strict_json(tmp_path / "out2" / "triton_race.json")
+    assert tri["dry_run"] is True and not tri["not_run"]
+    assert [r["case"] for r in tri["results"]] == [c.name for c in triton_race.DRY_CASES]
+    for res in tri["results"]:
+        assert res["complete"] and res["candidates"][res["default"]]["ok"], res["candidates"]
+        assert all(r["ok"] for r in res["candidates"].values()), res["candidates"]
+    assert tri["rows"] and all(r["dry_run"] for r in tri["rows"])
+    assert re.search(r"^triton-race dry-keys-\S+-raw: winner \S+ \(", logs[2], re.MULTILINE)  # the summary
+    assert sorted(p.name for p in (tmp_path / "out2").iterdir()) == [
+        "bench.json", "diag.txt", "gpu_run.log", "steps.txt", "tools.txt", "triton_race.json"]
     builds = [r for r in _strict_json(tmp_path / "out2" / "bench.json")["results"]
               if r["size"].startswith("compile-") and "fastspec_s" in r]
     assert builds and all(r["fastspec_error"] == 0 for r in builds)

@@ -4,6 +4,8 @@ What it reports comes from the library: :func:`fastspec.sysinfo.environment`,
 :func:`fastspec.solvers`, :func:`fastspec.eig.cuda.build_info` and
 :func:`fastspec.eig.cuda.selection_info` (which algorithm of the kernel runs where, and why),
 :func:`fastspec.covariance.routes.info` (which route an exact covariance update takes, and why),
+:func:`fastspec.covariance.triton_configs.info` (which launch settings the float32 Triton
+covariance kernels use, and why),
 :func:`fastspec.eig.mathdx.info` (whether NVIDIA cuSolverDx's heev can be built here, with which
 versions, or why not: the ``fastspec[mathdx]`` extra).
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     # "eigvalsh_backends": the key scripts already read, kept through the solver= rename
     info = {"environment": environment(), "eigvalsh_backends": fastspec.solvers(), "eigvalsh_kernel": build_info(),
             "eigvalsh_variants": selection_info(), "eigvalsh_cusolverdx": cusolverdx_info(),
-            "covariance_routes": routes.info()}
+            "covariance_routes": routes.info(), "covariance_triton_configs": triton_configs_info()}
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -65,7 +68,48 @@ def run(args: argparse.Namespace) -> int:
         print(f"{'':>10}  error: {r['error']}")
     else:
         print(f"{'':>10}  {r['shape']}: {r['choice']} ({r['why']})")
+    for line in triton_configs_text(info["covariance_triton_configs"]):
+        print(line)
     return 0
+
+
+def triton_configs_info() -> dict:
+    """:func:`fastspec.covariance.triton_configs.info` with the table's row count and the override,
+    or ``{"error": ...}`` when asking fails (a table that does not load, say): a line of the
+    report, not a traceback instead of it."""
+    try:
+        from ..covariance import triton_configs
+
+        out = triton_configs.info()
+        out["table"] = triton_configs.TABLE.name
+        out["override"] = os.environ.get(triton_configs.ENV, "").strip() or None
+        try:
+            out["rows"] = len(triton_configs.load_table())
+        except Exception as e:  # noqa: BLE001 - info() reports each choice's own error; the count says why
+            out["rows"] = None
+            out["error"] = f"{type(e).__name__}: {e}"
+        return out
+    except Exception as e:  # noqa: BLE001
+        text = str(e).strip().splitlines()
+        return {"error": f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": "), "choices": []}
+
+
+def triton_configs_text(t: dict) -> list[str]:
+    """The ``triton cfg`` section: the device and table, then one line per kernel, dtype and
+    convention (the candidate and why), or the error."""
+    if "device" not in t:
+        return [f"{'triton cfg':>10}: cannot tell: {t.get('error')}"]
+    override = f"FASTSPEC_COV_TRITON_CONFIG={t['override']}" if t.get("override") else \
+        "FASTSPEC_COV_TRITON_CONFIG forces one"
+    rows = t.get("rows")
+    out = [(f"{'triton cfg':>10}: float32 Triton covariance kernels' launch settings on {t['device']} "
+            f"({'?' if rows is None else rows} measured rows in {t.get('table', '?')}; {override})")]
+    if t.get("error"):
+        out.append(f"{'':>10}  error: {t['error']}")
+    for c in t.get("choices", []):
+        conv = "centred" if c["center"] else "raw"
+        out.append(f"{'':>10}  {c['kernel']:<4} {c['dtype']:<8} {conv:<7} {c['config']} ({c['why']})")
+    return out
 
 
 def cusolverdx_info() -> dict[str, object]:
