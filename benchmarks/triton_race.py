@@ -79,7 +79,6 @@ import argparse
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -93,7 +92,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: the checkout's fastspec, as the kit's other scripts
     sys.path.insert(0, str(ROOT))
 
-# after the path: the checkout's fastspec; neither imports Triton (--dry-run sets the interpreter first)
+# after the path: the checkout's fastspec; none of these imports Triton (--dry-run sets the interpreter
+# first); the route race's SIGTERM handling is shared
+from benchmarks.cov_race import sigterm_stops
 from fastspec.bench.case import EPS32, FLOOR_EPS
 from fastspec.covariance import triton_configs
 
@@ -607,7 +608,6 @@ def default_jobs(dry: bool, pairs: int) -> int:
 
 def run(json_path: Path, time_limit: float | None, dry: bool, jobs: int | None = None,
         names: list[str] | None = None) -> int:
-    from fastspec.bench.runner import TimeCap
     from fastspec.sysinfo import environment
 
     start = time.monotonic()
@@ -642,16 +642,7 @@ def run(json_path: Path, time_limit: float | None, dry: bool, jobs: int | None =
     jobs = default_jobs(dry, len(pairs)) if jobs is None else jobs
     doc["warm_jobs"] = jobs
     failed: list[str] = []
-    stop: list[bool] = []
-    inside: list[bool] = []
-
-    def on_sigterm(*_):
-        stop.append(True)
-        if inside:
-            raise TimeCap("SIGTERM")
-
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    with tempfile.TemporaryDirectory(prefix="triton-race-") as folder:
+    with sigterm_stops() as (stop, inside), tempfile.TemporaryDirectory(prefix="triton-race-") as folder:
         pool = WarmPool(pairs, jobs, dry, Path(folder)) if jobs > 0 else None
         try:
             for case in cases:
@@ -682,7 +673,6 @@ def run(json_path: Path, time_limit: float | None, dry: bool, jobs: int | None =
                     failed.append(f"no candidate passed on {case.name}")
                 print("\n".join(lines(res)) + f"\n  [{time.monotonic() - t0:.1f}s]", flush=True)
         finally:
-            signal.signal(signal.SIGTERM, previous)
             if pool is not None:
                 pool.close()
             write()  # the cases not run, too
