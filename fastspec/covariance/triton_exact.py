@@ -111,7 +111,7 @@ from torch import Tensor
 from ._triton_compat import fix_interpreter_index
 from .blocked import Workspace, shared_workspace
 from .reference import CovPartials
-from .triton_kernels import _lower_pair, _row_keep, _row_offsets
+from .triton_kernels import _lower_pair, _row_keep, _row_offsets, _split_counts
 from .triton_update import check_args
 
 __all__ = ["CHUNK_ELEMS", "Totals", "accumulate_prep_gemm", "accumulate_triton_f64", "partials_prep_gemm",
@@ -441,14 +441,7 @@ def _finish_kernel(
             tl.store(p_c + i_s * D64 + o_r, tl.zeros([BR], dtype=tl.float64), mask=m_r)
         tl.store(p_s + i_s * D64 + o_r, b_s, mask=m_r)
         if i_p == 0:
-            b_n = tl.zeros([BK], dtype=tl.int64)
-            b_rej = tl.zeros([BK], dtype=tl.int64)
-            for k0 in range(0, KS, BK):
-                m_k = (k0 + o_k) < KS
-                b_n += tl.load(p_cnt + (k0 + o_k) * S + i_s, mask=m_k, other=0).to(tl.int64)
-                b_rej += tl.load(p_cnt + (KS + k0 + o_k) * S + i_s, mask=m_k, other=0).to(tl.int64)
-            b_n1 = tl.sum(b_n, axis=0)
-            b_rej1 = tl.sum(b_rej, axis=0)
+            b_n1, b_rej1 = _split_counts(p_cnt, S, i_s, KS, BK)
             if ACC:
                 b_n1 += tl.load(p_n + i_s)
                 b_rej1 += tl.load(p_rej + i_s)

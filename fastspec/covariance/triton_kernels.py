@@ -562,6 +562,21 @@ def _cov_partials_kernel(
 
 
 @triton.jit
+def _split_counts(p_cnt, S, i_s, KS, BK: tl.constexpr):
+    """Site i_s's valid and rejected rows, int64, from per-split int32 counts ``cnt [2, KS, S]``
+    (``cnt[0]`` valid, ``cnt[1]`` rejected), BK splits loaded at once: the finish kernels of the
+    float32 update here and of ``triton_exact.py``."""
+    o_k = tl.arange(0, BK)
+    b_ok = tl.zeros([BK], dtype=tl.int64)
+    b_bad = tl.zeros([BK], dtype=tl.int64)
+    for k0 in range(0, KS, BK):
+        m_k = (k0 + o_k) < KS
+        b_ok += tl.load(p_cnt + (k0 + o_k) * S + i_s, mask=m_k, other=0).to(tl.int64)
+        b_bad += tl.load(p_cnt + (KS + k0 + o_k) * S + i_s, mask=m_k, other=0).to(tl.int64)
+    return tl.sum(b_ok, axis=0), tl.sum(b_bad, axis=0)
+
+
+@triton.jit
 def _finish_kernel(
     p_Gw, p_sw, p_cnt, p_status, p_G, p_s, p_c, p_nr,
     S, D, N, SPLIT,
@@ -617,12 +632,8 @@ def _finish_kernel(
                 b_st = tl.load(p_status + i_s.to(tl.int64) * N + r0 + o_n, mask=r0 + o_n < N, other=0)
                 b_ok += (b_st == 1).to(tl.int64)
                 b_bad += (b_st == 2).to(tl.int64)
+            n_ok, n_bad = tl.sum(b_ok, axis=0), tl.sum(b_bad, axis=0)
         else:
-            b_ok = tl.zeros([BK], dtype=tl.int64)
-            b_bad = tl.zeros([BK], dtype=tl.int64)
-            for k0 in range(0, SPLIT, BK):
-                m_k = (k0 + o_k) < SPLIT
-                b_ok += tl.load(p_cnt + (k0 + o_k) * S + i_s, mask=m_k, other=0).to(tl.int64)
-                b_bad += tl.load(p_cnt + (SPLIT + k0 + o_k) * S + i_s, mask=m_k, other=0).to(tl.int64)
-        tl.store(p_nr + i_s, tl.sum(b_ok, axis=0))
-        tl.store(p_nr + S + i_s, tl.sum(b_bad, axis=0))
+            n_ok, n_bad = _split_counts(p_cnt, S, i_s, SPLIT, BK)
+        tl.store(p_nr + i_s, n_ok)
+        tl.store(p_nr + S + i_s, n_bad)
