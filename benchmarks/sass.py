@@ -12,20 +12,27 @@ these counts, and the tests keep them honest.
 Finding the CUDA tools and listing a cubin's instructions is :mod:`fastspec.bench.cubin` (the
 benchmarks need it too); this module adds the loops, the opcode counts and the resource lines.
 
+The Triton kernels are compiled for sm_90 here too (:func:`compile_sm90`, as a launch specializes
+them) and read back (:func:`triton_cubin`), by the compile scripts of the Triton kernels' tests.
+
 Usage: ``python benchmarks/sass.py FILE.cubin [REGEX]`` prints, per kernel matching REGEX, its
 opcode counts and its innermost loops' instruction counts. From a test:
 ``sys.path.insert(0, "<repo>/benchmarks"); import sass`` (as ``tests/test_eig_sass.py`` does).
 """
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 import sys
+import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 
 from fastspec.bench.cubin import cuobjdump, disassemble, find_tool, instructions
 
-__all__ = ["Kernel", "Loop", "disassemble", "find_tool", "kernels", "main", "parse_ptxas", "resource_usage"]
+__all__ = ["Kernel", "Loop", "compile_sm90", "disassemble", "find_tool", "kernels", "main", "parse_ptxas",
+           "resource_usage", "triton_bin", "triton_cubin"]
 
 _PTXAS_FN = re.compile(r"(?:Compiling entry function|Function properties for) '?([\w$.]+)'?")
 _PTXAS_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -56,12 +63,15 @@ def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
 _RES = re.compile(r"Function ([\w$.]+):\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 
+def _resources(text: str) -> dict[str, dict[str, int]]:
+    return {m.group(1): dict(zip(("registers", "stack", "shared", "local"), map(int, m.groups()[1:])))
+            for m in _RES.finditer(text)}
+
+
 def resource_usage(cubin: str) -> dict[str, dict[str, int]]:
     """``cuobjdump -res-usage`` of a cubin -> ``{kernel: {registers, stack, shared, local}}``;
     spills show as stack (and local) bytes."""
-    text = cuobjdump(cubin, "-res-usage")
-    return {m.group(1): dict(zip(("registers", "stack", "shared", "local"), map(int, m.groups()[1:])))
-            for m in _RES.finditer(text)}
+    return _resources(cuobjdump(cubin, "-res-usage"))
 
 
 @dataclass
@@ -110,6 +120,58 @@ def kernels(sass: str) -> list[Kernel]:
         out.append(Kernel(name, Counter(op.split(".")[0] for _, op, _ in insns),
                           Counter(op for _, op, _ in insns), loops))
     return out
+
+
+# ------------------------------------------------------------- Triton kernels, for sm_90, without a GPU
+def triton_bin(name: str) -> str | None:
+    """Path of a CUDA tool the Triton wheel ships (``triton/backends/nvidia/bin``), or None. Its
+    ``cuobjdump`` is the one released with the ``ptxas`` that built Triton's cubins; a toolkit's
+    on PATH may be older or newer."""
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    return path if os.access(path, os.X_OK) else None
+
+
+def compile_sm90(fn, types: dict[str, str], consts: dict, num_warps: int, num_stages: int = 3, *,
+                 ones=(), div16=(), stride_type: str = "i64"):
+    """Compile the ``@triton.jit`` kernel ``fn`` for sm_90 with the wheel's ptxas, no GPU needed,
+    as a launch would specialize it: constexpr parameters not in ``consts`` take their defaults;
+    the arguments named in ``ones`` become the constant 1 (unit strides), those in ``div16`` are
+    marked multiples of 16 (pointers, sizes, strides). Runtime arguments are typed by ``types``,
+    else ``stride_type`` for a ``stride*`` argument, else ``i32``. Returns Triton's compiled
+    kernel (``.asm["cubin"]``, ``.asm["ptx"]``, ``.metadata``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts,
+              **{k: 1 for k in ones if k in fn.arg_names}}
+    sig = {a: "constexpr" if a in consts else types.get(a, stride_type if a.startswith("stride") else "i32")
+           for a in fn.arg_names}
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
+             for a in div16 if a in fn.arg_names and a not in consts}
+    src = ASTSource(fn=fn, signature=sig, attrs=attrs,
+                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def triton_cubin(cubin: bytes) -> tuple[dict[str, int], Kernel]:
+    """A one-kernel cubin in memory (``compile_sm90(...).asm["cubin"]``), read by the wheel's
+    ``cuobjdump``: its ``{registers, stack, shared, local}`` and its :class:`Kernel`."""
+    tool = triton_bin("cuobjdump")
+    if tool is None:
+        raise FileNotFoundError("cuobjdump: the Triton wheel ships none")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        res, sass = [subprocess.run([tool, flag, path], capture_output=True, text=True, check=True).stdout
+                     for flag in ("-res-usage", "-sass")]
+    (usage,) = _resources(res).values()
+    (kernel,) = kernels(sass)
+    return usage, kernel
 
 
 def main(argv: list[str] | None = None) -> int:

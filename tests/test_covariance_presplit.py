@@ -19,6 +19,8 @@ import torch
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.triton  # the GPU kit runs these on CUDA (benchmarks/gpu_run.py)
 
+from _sm90 import compiled_for_sm90
+
 from fastspec.covariance import triton_kernels as tk
 from fastspec.covariance import triton_presplit as tp
 
@@ -268,14 +270,10 @@ def test_bitwise_deterministic():
 
 # ------------------------------------------------------------- GPU compile, without a GPU
 _COMPILE_SCRIPT = r"""
-import json, os, re, subprocess, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json
 from fastspec.covariance import triton_presplit as P
-from benchmarks.sass import kernels as sass_kernels
+from benchmarks.sass import compile_sm90, triton_cubin
 
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 TYPES = {"p_x": "*bf16", "p_status": "*i8", "p_c": "*fp32", "p_hi": "*bf16", "p_lo": "*bf16",
          "p_sum": "*fp32", "p_G": "*fp32"}
 # what the launch of a contiguous input gives: unit strides and row_step constant, pointers,
@@ -285,30 +283,12 @@ DIV16 = ("p_x", "p_status", "p_c", "p_hi", "p_lo", "p_sum", "p_G", "N", "Tk", "D
          "stride_xb", "stride_xt", "stride_xs", "stride_ws", "stride_wr", "stride_pk", "stride_ps")
 
 def build(fn, consts, num_warps, num_stages):
-    consts = {**consts, **{k: 1 for k in ONES if k in fn.arg_names}}
-    sig = {a: "constexpr" if a in consts else TYPES.get(a, "i32") for a in fn.arg_names}
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
-             for a in DIV16 if a in fn.arg_names and a not in consts}
-    src = ASTSource(fn=fn, signature=sig, attrs=attrs,
-                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
-
-def tool(name, cubin, *args):
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        return subprocess.run([os.path.join(BIN, name), *args, path], capture_output=True, text=True,
-                              check=True).stdout
+    return compile_sm90(fn, TYPES, consts, num_warps, num_stages, ones=ONES, div16=DIV16, stride_type="i32")
 
 def stats(k):
-    cubin = k.asm["cubin"]
-    res = tool("cuobjdump", cubin, "-res-usage")
-    (kernel,) = sass_kernels(tool("cuobjdump", cubin, "-sass"))
+    res, kernel = triton_cubin(k.asm["cubin"])
     loop = max(kernel.innermost(), key=lambda lp: lp.size)  # the row loop
-    return {"regs": int(re.search(r"REG:(\d+)", res).group(1)),
-            "stack": int(re.search(r"STACK:(\d+)", res).group(1)),
+    return {"regs": res["registers"], "stack": res["stack"],
             "spill_ops": kernel.ops["LDL"] + kernel.ops["STL"], "smem": k.metadata.shared,
             "loop": loop.size, "HGMMA": loop.ops["HGMMA"], "LDGSTS": loop.ops["LDGSTS"],
             "LDG": loop.ops["LDG"], "CALL": loop.ops["CALL"], "FADD": loop.ops["FADD"],
@@ -342,20 +322,7 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     compile errors) and pin what the design rests on: the Gram loop's dots on wgmma (HGMMA)
     fed by cp.async (LDGSTS), no spills at 8 warps, the block tile's fp32 add in the loop,
     the shared memory of the pipeline stages; the pre-pass without spills or int64 division."""
-    import json
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia")
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    if not os.access(os.path.join(bin_dir, "cuobjdump"), os.X_OK):
-        pytest.skip("triton's nvidia backend ships no cuobjdump")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = compiled_for_sm90(_COMPILE_SCRIPT)
     for name, got in out.items():
         if name == "split":
             continue

@@ -21,6 +21,8 @@ import torch
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.triton  # the GPU kit runs these on CUDA (benchmarks/gpu_run.py)
 
+from _sm90 import compiled_for_sm90  # noqa: E402
+
 import fastspec  # noqa: E402
 from fastspec.covariance import triton_kernels as tri  # noqa: E402
 from fastspec.covariance import triton_update as tu  # noqa: E402
@@ -699,16 +701,12 @@ def test_the_shipped_table_loads_and_info_reports_every_choice():
 
 # ------------------------------------------------------------- GPU compile, without a GPU
 _COMPILE_SCRIPT = r"""
-import json, os, re, subprocess, sys, tempfile
+import json
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from fastspec.covariance import triton_kernels as K
 from fastspec.covariance import triton_update as tu
-from benchmarks.sass import kernels as sass_kernels
+from benchmarks.sass import compile_sm90, triton_cubin
 
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 ptrs = {"p_mask": "*u8", "p_status": "*i8", "p_c": "*fp32", "p_G": "*fp32", "p_s": "*fp32",
         "p_n": "*i32", "p_rej": "*i32"}
 # what the launcher's specialization gives a contiguous keys tensor and mask: unit strides and
@@ -718,36 +716,16 @@ DIV16 = ("p_x", "p_mask", "p_status", "p_c", "p_G", "p_s", "p_n", "p_rej", "N", 
          "stride_xb", "stride_xt", "stride_xs", "stride_mb")
 
 def build(fn, types, consts, num_warps, num_stages=3, specialize=False):
-    # constexpr parameters left out take their defaults, as a launch does (not runtime values)
-    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
-    if specialize:
-        consts.update({k: 1 for k in ONES if k in fn.arg_names})
-    sig = {a: "constexpr" if a in consts else types.get(a, "i64" if a.startswith("stride") else "i32")
-           for a in fn.arg_names}
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
-             for a in DIV16 if specialize and a in fn.arg_names and a not in consts}
-    src = ASTSource(fn=fn, signature=sig, attrs=attrs,
-                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
-
-def tool(name, cubin, *args):
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        return subprocess.run([os.path.join(BIN, name), *args, path], capture_output=True, text=True,
-                              check=True).stdout
+    spec = dict(ones=ONES, div16=DIV16) if specialize else {}
+    return compile_sm90(fn, types, consts, num_warps, num_stages, **spec)
 
 def sass_stats(cubin):
     # registers/stack from the cubin's resource usage; ops of the first loop (the fast row loop)
     # from the disassembly (benchmarks/sass.py: a loop runs from a backward branch's target to
     # the branch)
-    res = tool("cuobjdump", cubin, "-res-usage")
-    (kernel,) = sass_kernels(tool("cuobjdump", cubin, "-sass"))
+    res, kernel = triton_cubin(cubin)
     loop = min(kernel.loops, key=lambda lp: (lp.start, lp.end))
-    return {"regs": int(re.search(r"REG:(\d+)", res).group(1)),
-            "stack": int(re.search(r"STACK:(\d+)", res).group(1)),
+    return {"regs": res["registers"], "stack": res["stack"],
             "spill_ops": kernel.ops["LDL"] + kernel.ops["STL"],
             "loop": loop.size, "BAR": loop.ops["BAR"], "SHFL": loop.ops["SHFL"], "HGMMA": loop.ops["HGMMA"],
             "LDGSTS": loop.ops["LDGSTS"], "CALL": loop.ops["CALL"], "FADD": loop.ops["FADD"],
@@ -820,23 +798,7 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     Also pins the precision (bf16 products on tensor cores, fp32 never through TF32) and the
     cost of the keys kernel's row loop in SASS: no spills, loads software-pipelined
     (cp.async), no per-row division or cross-thread reduction, bounded instructions/barriers."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia")
-    import triton
-
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    if not os.access(os.path.join(bin_dir, "cuobjdump"), os.X_OK):
-        pytest.skip("triton's nvidia backend ships no cuobjdump")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = compiled_for_sm90(_COMPILE_SCRIPT)
     assert out["bf16"]["wgmma"] > 0 and out["fp16"]["wgmma"] > 0
     assert out["fp32"]["wgmma"] == 0 and out["fp32"]["tf32"] == 0
     for center, bound in KEYS_LOOP_BOUNDS.items():

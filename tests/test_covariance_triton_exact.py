@@ -22,6 +22,8 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
 ]
 
+from _sm90 import compiled_for_sm90
+
 from fastspec.covariance import blocked
 from fastspec.covariance import triton_exact as te
 from fastspec.metrics import participation_ratio
@@ -421,14 +423,11 @@ def test_accumulate_refuses_totals_of_the_wrong_shape():
 
 # ------------------------------------------------------------- GPU compile, without a GPU
 _COMPILE_SCRIPT = r"""
-import json, os, re, subprocess, sys, tempfile
+import json
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from fastspec.covariance import triton_exact as E
-from benchmarks.sass import kernels as sass_kernels
+from benchmarks.sass import compile_sm90, triton_cubin
 
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 ptrs = {"p_mask": "*u8", "p_rows": "*fp64", "p_sp": "*fp64", "p_cnt": "*i32", "p_Gp": "*fp64",
         "p_G": "*fp64", "p_s": "*fp64", "p_c": "*fp64", "p_n": "*i64", "p_rej": "*i64"}
 # what a launch on a contiguous keys tensor and mask specializes: unit strides and row_step
@@ -438,32 +437,12 @@ DIV16 = ("p_x", "p_mask", "p_rows", "p_sp", "p_cnt", "p_Gp", "p_G", "p_s", "p_c"
          "D", "RPS", "RPP", "KS", "stride_xb", "stride_xt", "stride_xs", "stride_mb")
 
 def build(fn, dt, consts, num_warps, num_stages):
-    consts = {**consts, **{k: 1 for k in ONES if k in fn.arg_names}}
-    types = {"p_x": "*" + dt, **ptrs}
-    sig = {a: "constexpr" if a in consts else types.get(a, "i64" if a.startswith("stride") else "i32")
-           for a in fn.arg_names}
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
-             for a in DIV16 if a in fn.arg_names and a not in consts}
-    src = ASTSource(fn=fn, signature=sig, attrs=attrs,
-                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
-
-def tool(name, cubin, *args):
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        return subprocess.run([os.path.join(BIN, name), *args, path], capture_output=True, text=True,
-                              check=True).stdout
+    return compile_sm90(fn, {"p_x": "*" + dt, **ptrs}, consts, num_warps, num_stages, ones=ONES, div16=DIV16)
 
 def stats(k):
-    cubin = k.asm["cubin"]
-    res = tool("cuobjdump", cubin, "-res-usage")
-    (kernel,) = sass_kernels(tool("cuobjdump", cubin, "-sass"))
+    res, kernel = triton_cubin(k.asm["cubin"])
     loop = min(kernel.loops, key=lambda lp: (lp.start, lp.end))  # the row loop
-    return {"regs": int(re.search(r"REG:(\d+)", res).group(1)),
-            "stack": int(re.search(r"STACK:(\d+)", res).group(1)),
+    return {"regs": res["registers"], "stack": res["stack"],
             "spill_ops": kernel.ops["LDL"] + kernel.ops["STL"], "loop": loop.size,
             "DMMA": loop.ops["DMMA"], "F2F": loop.ops["F2F"]}
 
@@ -491,21 +470,7 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     the prep and finish kernels on any Triton; the float64 dot kernels only where
     :func:`triton_f64_status` allows it (Triton 3.6 aborts the process compiling them), where
     their row loop must run on DMMA without spilling."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia")
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    if not os.access(os.path.join(bin_dir, "cuobjdump"), os.X_OK):
-        pytest.skip("triton's nvidia backend ships no cuobjdump")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = compiled_for_sm90(_COMPILE_SCRIPT)
     for name in ("prep", "finish", "finish-acc"):
         assert out[name]["spill_ops"] == 0 and out[name]["stack"] == 0, (name, out[name])
     # the prep kernel: two 8-warp programs per SM (<= 128 registers), one float64 widening per
