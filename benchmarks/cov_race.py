@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -428,7 +429,29 @@ def sigterm_stops():
         signal.signal(signal.SIGTERM, previous)
 
 
+def attempt(name: str, race, not_run: list[str], stop: list, inside: list, late: bool):
+    """``race()``'s result under :func:`sigterm_stops`'s ``(stop, inside)``; or None, with ``name``
+    in ``not_run`` and a line printed, when it never starts (the run is stopped, or ``late``: past
+    its time limit) or SIGTERM ends it while it runs."""
+    if stop or late:
+        not_run.append(name)
+        print(f"{name}: not run (time limit)", flush=True)
+        return None
+    try:
+        inside.append(True)
+        return race()
+    except BaseException:
+        if not stop:
+            raise
+        not_run.append(name)
+        print(f"{name}: stopped while it ran (SIGTERM)", flush=True)
+        return None
+    finally:
+        inside.clear()
+
+
 def run(json_path: Path, time_limit: float | None, dry: bool) -> int:
+    from fastspec.commands._bench_common import write_json
     from fastspec.covariance import routes
     from fastspec.sysinfo import environment
 
@@ -454,31 +477,17 @@ def run(json_path: Path, time_limit: float | None, dry: bool) -> int:
            "routes": {n: r.what for n, r in routes.ROUTES.items()}, "results": [], "rows": [], "not_run": []}
 
     def write() -> None:
-        tmp = json_path.with_name(json_path.name + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=1) + "\n")
-        os.replace(tmp, json_path)
+        write_json(json_path, doc, quiet=True)
 
-    json_path.parent.mkdir(parents=True, exist_ok=True)
     write()
     failed = []
     with sigterm_stops() as (stop, inside):
         for shape in DRY_SHAPES if dry else SHAPES:
-            if stop or (deadline is not None and time.monotonic() > deadline):
-                doc["not_run"].append(shape.name)
-                print(f"{shape.name}: not run (time limit)", flush=True)
-                continue
             t0 = time.monotonic()
-            try:
-                inside.append(True)
-                res = race_shape(shape, device, dry, deadline, stop)
-            except BaseException:
-                if not stop:
-                    raise
-                doc["not_run"].append(shape.name)
-                print(f"{shape.name}: stopped while it ran (SIGTERM)", flush=True)
+            res = attempt(shape.name, functools.partial(race_shape, shape, device, dry, deadline, stop),
+                          doc["not_run"], stop, inside, deadline is not None and t0 > deadline)
+            if res is None:
                 continue
-            finally:
-                inside.clear()
             doc["results"].append(res)
             row = table_row(res, shape, arch, device_name, date, dry)
             if row is not None:

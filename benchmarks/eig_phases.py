@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import signal
 import sys
 import time
@@ -232,6 +231,7 @@ def _call_breakdown(out: Path, dry: bool, deadline: float | None) -> dict | None
 
 
 def run(json_path: Path, time_limit: float | None, dry: bool) -> int:
+    from fastspec.commands._bench_common import write_json
     from fastspec.eig import cuda
     from fastspec.sysinfo import environment
 
@@ -250,11 +250,8 @@ def run(json_path: Path, time_limit: float | None, dry: bool) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
 
     def write() -> None:
-        tmp = json_path.with_name(json_path.name + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=1) + "\n")
-        os.replace(tmp, json_path)
+        write_json(json_path, doc, quiet=True)
 
-    json_path.parent.mkdir(parents=True, exist_ok=True)
     write()
     for name, batch, n, dtype in SHAPES:
         for algo in _algorithms(n, dtype, spec):

@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import signal
 import sys
 import time
@@ -275,6 +274,7 @@ def table_row(result: dict, shape: Shape, arch: int, device_name: str, date: str
 
 
 def run(json_path: Path, time_limit: float | None, dry: bool, real_n: bool = False) -> int:
+    from fastspec.commands._bench_common import write_json
     from fastspec.eig import cuda
     from fastspec.sysinfo import environment
 
@@ -299,11 +299,8 @@ def run(json_path: Path, time_limit: float | None, dry: bool, real_n: bool = Fal
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
 
     def write() -> None:
-        tmp = json_path.with_name(json_path.name + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=1) + "\n")
-        os.replace(tmp, json_path)
+        write_json(json_path, doc, quiet=True)
 
-    json_path.parent.mkdir(parents=True, exist_ok=True)
     write()
     for shape in SHAPES:
         s = dry_shape(shape, real_n) if dry else shape

@@ -76,6 +76,7 @@ cannot be merged.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -93,8 +94,8 @@ if str(ROOT) not in sys.path:  # run as a script: the checkout's fastspec, as th
     sys.path.insert(0, str(ROOT))
 
 # after the path: the checkout's fastspec; none of these imports Triton (--dry-run sets the interpreter
-# first); the route race's SIGTERM handling is shared
-from benchmarks.cov_race import sigterm_stops
+# first); the route race's SIGTERM handling (sigterm_stops, attempt) is shared
+from benchmarks.cov_race import attempt, sigterm_stops
 from fastspec.bench.case import EPS32, FLOOR_EPS
 from fastspec.covariance import triton_configs
 
@@ -608,6 +609,7 @@ def default_jobs(dry: bool, pairs: int) -> int:
 
 def run(json_path: Path, time_limit: float | None, dry: bool, jobs: int | None = None,
         names: list[str] | None = None) -> int:
+    from fastspec.commands._bench_common import write_json
     from fastspec.sysinfo import environment
 
     start = time.monotonic()
@@ -632,11 +634,8 @@ def run(json_path: Path, time_limit: float | None, dry: bool, jobs: int | None =
            "results": [], "rows": [], "not_run": []}
 
     def write() -> None:
-        tmp = json_path.with_name(json_path.name + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
-        os.replace(tmp, json_path)
+        write_json(json_path, doc, quiet=True)
 
-    json_path.parent.mkdir(parents=True, exist_ok=True)
     write()
     pairs = [(c.name, cand.name) for c in cases for cand in triton_configs.CANDIDATES[c.kernel]]
     jobs = default_jobs(dry, len(pairs)) if jobs is None else jobs
@@ -646,22 +645,11 @@ def run(json_path: Path, time_limit: float | None, dry: bool, jobs: int | None =
         pool = WarmPool(pairs, jobs, dry, Path(folder)) if jobs > 0 else None
         try:
             for case in cases:
-                if stop or (deadline is not None and _now() > deadline):
-                    doc["not_run"].append(case.name)
-                    print(f"{case.name}: not run (time limit)", flush=True)
-                    continue
                 t0 = time.monotonic()
-                try:
-                    inside.append(True)
-                    res = race_case(case, device, dry, deadline, stop, pool)
-                except BaseException:
-                    if not stop:
-                        raise
-                    doc["not_run"].append(case.name)
-                    print(f"{case.name}: stopped while it ran (SIGTERM)", flush=True)
+                res = attempt(case.name, functools.partial(race_case, case, device, dry, deadline, stop, pool),
+                              doc["not_run"], stop, inside, deadline is not None and _now() > deadline)
+                if res is None:
                     continue
-                finally:
-                    inside.clear()
                 doc["results"].append(res)
                 row = table_row(res, arch, device_name, date, dry)
                 if row is not None:
