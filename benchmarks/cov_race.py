@@ -523,7 +523,27 @@ def tie(result: dict | None, winner: str, other: str) -> bool:
                       "baseline_min_s": o.get("device_us_min"), "baseline_max_s": o.get("device_us_max")}) is not None
 
 
-EMPTY = " No race has run yet: the table is empty."  # the shipped table's "about", true until a merge
+EMPTY = " No race has run yet: the table is empty."  # a shipped table's "about", true until a merge
+
+
+def race_result(json_path: Path, schema: str, what: str) -> dict | None:
+    """The race result in ``json_path`` to merge; None, with a line on stderr, when it is not a
+    ``what`` (its ``schema``) or is a dry run (the whole run, or any row, marked ``dry_run``)."""
+    doc = json.loads(json_path.read_text())
+    if doc.get("schema") != schema:
+        print(f"--merge: {json_path} is not a {what} (schema {doc.get('schema')!r})", file=sys.stderr)
+        return None
+    if doc.get("dry_run") or any(r.get("dry_run") or r.get("measured", {}).get("dry_run") for r in doc.get("rows", [])):
+        print(f"--merge: {json_path} is a dry run: its times are CPU stand-ins, not measurements", file=sys.stderr)
+        return None
+    return doc
+
+
+def write_table(table: Path, data: dict) -> None:
+    """Write a merged selection table; its "about" stops saying it is empty once it holds a row."""
+    if data["rows"] and EMPTY in data.get("about", ""):
+        data["about"] = data["about"].replace(EMPTY, "")
+    table.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
 
 
 def merge(json_path: Path, table: Path | None = None) -> int:
@@ -537,12 +557,8 @@ def merge(json_path: Path, table: Path | None = None) -> int:
     :func:`fastspec.covariance.routes.choose` takes the first matching row, which could be the old one."""
     from fastspec.covariance import routes
 
-    doc = json.loads(json_path.read_text())
-    if doc.get("schema") != SCHEMA:
-        print(f"--merge: {json_path} is not a covariance race result (schema {doc.get('schema')!r})", file=sys.stderr)
-        return 2
-    if doc.get("dry_run") or any(r.get("measured", {}).get("dry_run") for r in doc.get("rows", [])):
-        print(f"--merge: {json_path} is a dry run: its times are CPU stand-ins, not measurements", file=sys.stderr)
+    doc = race_result(json_path, SCHEMA, "covariance race result")
+    if doc is None:
         return 2
     new = [routes.Row.from_json(r) for r in doc["rows"]]
     routes.check_rows(new)
@@ -579,9 +595,7 @@ def merge(json_path: Path, table: Path | None = None) -> int:
         old = routes.Row.from_json(d)
         (dropped if any(overlap(old, r) for r in replaced) else kept).append(d)
     data["rows"] = kept + [r.to_json() for r in replaced]
-    if data["rows"] and EMPTY in data.get("about", ""):
-        data["about"] = data["about"].replace(EMPTY, "")
-    table.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+    write_table(table, data)
     print(f"{table}: {len(replaced)} rows merged from {json_path} ({len(kept)} other rows kept, "
           f"{len(dropped)} overlapped and dropped)")
     for line in ties:

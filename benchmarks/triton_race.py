@@ -94,8 +94,8 @@ if str(ROOT) not in sys.path:  # run as a script: the checkout's fastspec, as th
     sys.path.insert(0, str(ROOT))
 
 # after the path: the checkout's fastspec; none of these imports Triton (--dry-run sets the interpreter
-# first); the route race's SIGTERM handling (sigterm_stops, attempt) is shared
-from benchmarks.cov_race import attempt, sigterm_stops
+# first); the route race's SIGTERM handling (sigterm_stops, attempt) and merge steps are shared
+from benchmarks.cov_race import attempt, race_result, sigterm_stops, write_table
 from fastspec.bench.case import EPS32, FLOOR_EPS
 from fastspec.covariance import triton_configs
 
@@ -675,21 +675,14 @@ def run(json_path: Path, time_limit: float | None, dry: bool, jobs: int | None =
 
 
 # ------------------------------------------------------------------------------------ merging
-EMPTY = " No race has run yet: the table is empty."  # the shipped table's "about", true until a merge
-
-
 def merge(json_path: Path, table: Path | None = None) -> int:
     """Replace the table's rows of the same (arch, kernel, dtype, center) by ``json_path``'s rows;
     refuse a dry run's, and a row whose candidate failed its checks in that race. The table's
     other rows, ``format`` and ``about`` stay."""
-    doc = json.loads(json_path.read_text())
-    if doc.get("schema") != SCHEMA:
-        print(f"--merge: {json_path} is not a Triton configuration race (schema {doc.get('schema')!r})", file=sys.stderr)
+    doc = race_result(json_path, SCHEMA, "Triton configuration race")
+    if doc is None:
         return 2
     rows = doc.get("rows", [])
-    if doc.get("dry_run") or any(r.get("dry_run") or r.get("measured", {}).get("dry_run") for r in rows):
-        print(f"--merge: {json_path} is a dry run: its times are CPU stand-ins, not measurements", file=sys.stderr)
-        return 2
     results = {r["case"]: r for r in doc.get("results", [])}
     try:
         new = [(triton_configs._check_row(r), r) for r in rows]
@@ -711,9 +704,7 @@ def merge(json_path: Path, table: Path | None = None) -> int:
         print(f"--merge: {table}: a row the table holds is wrong ({exc}); fix it first", file=sys.stderr)
         return 2
     data["rows"] = kept + [d for _, d in new]
-    if data["rows"] and EMPTY in data.get("about", ""):
-        data["about"] = data["about"].replace(EMPTY, "")
-    table.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+    write_table(table, data)
     triton_configs.forget()
     print(f"{table}: {len(new)} row(s) merged from {json_path} ({len(kept)} other row(s) kept)")
     return 0

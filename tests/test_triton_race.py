@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.cov_race import EMPTY  # the merge steps both races share
 from fastspec.covariance import triton_configs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -265,14 +266,14 @@ def test_merge_replaces_same_key_rows_and_keeps_the_rest(tmp_path, capsys):
     shipped = json.loads(triton_configs.TABLE.read_text())
     held = [_row("keys", False, keys[0].name), _row("ffn", True, ffn[0].name, arch=80),
             _row("keys", True, keys[0].name, dtype="float16")]
-    table.write_text(json.dumps({**shipped, "about": shipped["about"].rstrip() + race.EMPTY, "rows": held}))
+    table.write_text(json.dumps({**shipped, "about": shipped["about"].rstrip() + EMPTY, "rows": held}))
     new = [_row("keys", False, keys[-1].name), _row("ffn", True, ffn[-1].name)]
     path = tmp_path / "race.json"
     path.write_text(json.dumps(_result_doc(new, {})))
     assert race.merge(path, table) == 0
     data = json.loads(table.read_text())
-    assert data["format"] == shipped["format"] and race.EMPTY not in data["about"]
-    assert data["about"].startswith(shipped["about"].replace(race.EMPTY, "")[:60])
+    assert data["format"] == shipped["format"] and EMPTY not in data["about"]
+    assert data["about"].startswith(shipped["about"].replace(EMPTY, "")[:60])
     got = {(r["arch"], r["kernel"], r["dtype"], r["center"]): r["config"] for r in data["rows"]}
     assert got == {(90, "keys", "bfloat16", False): keys[-1].name,   # replaced
                    (80, "ffn", "bfloat16", True): ffn[0].name,        # another arch: kept
