@@ -23,16 +23,21 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 
-from fastspec.bench.cubin import cuobjdump, disassemble, find_tool, instructions
+from fastspec.bench.cubin import (
+    cuobjdump,
+    disassemble,
+    find_tool,
+    instructions,
+    triton_tool,
+)
 
 __all__ = ["Kernel", "Loop", "compile_sm90", "disassemble", "find_tool", "kernels", "main", "parse_ptxas",
-           "resource_usage", "triton_bin", "triton_cubin"]
+           "resource_usage", "triton_cubin", "triton_tool"]
 
 _PTXAS_FN = re.compile(r"(?:Compiling entry function|Function properties for) '?([\w$.]+)'?")
 _PTXAS_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -123,16 +128,6 @@ def kernels(sass: str) -> list[Kernel]:
 
 
 # ------------------------------------------------------------- Triton kernels, for sm_90, without a GPU
-def triton_bin(name: str) -> str | None:
-    """Path of a CUDA tool the Triton wheel ships (``triton/backends/nvidia/bin``), or None. Its
-    ``cuobjdump`` is the one released with the ``ptxas`` that built Triton's cubins; a toolkit's
-    on PATH may be older or newer."""
-    import triton
-
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-    return path if os.access(path, os.X_OK) else None
-
-
 def compile_sm90(fn, types: dict[str, str], consts: dict, num_warps: int, num_stages: int = 3, *,
                  ones=(), div16=(), stride_type: str = "i64"):
     """Compile the ``@triton.jit`` kernel ``fn`` for sm_90 with the wheel's ptxas, no GPU needed,
@@ -160,15 +155,14 @@ def compile_sm90(fn, types: dict[str, str], consts: dict, num_warps: int, num_st
 def triton_cubin(cubin: bytes) -> tuple[dict[str, int], Kernel]:
     """A one-kernel cubin in memory (``compile_sm90(...).asm["cubin"]``), read by the wheel's
     ``cuobjdump``: its ``{registers, stack, shared, local}`` and its :class:`Kernel`."""
-    tool = triton_bin("cuobjdump")
+    tool = triton_tool("cuobjdump")
     if tool is None:
         raise FileNotFoundError("cuobjdump: the Triton wheel ships none")
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        res, sass = [subprocess.run([tool, flag, path], capture_output=True, text=True, check=True).stdout
-                     for flag in ("-res-usage", "-sass")]
+        res, sass = [cuobjdump(path, flag, tool) for flag in ("-res-usage", "-sass")]
     (usage,) = _resources(res).values()
     (kernel,) = kernels(sass)
     return usage, kernel

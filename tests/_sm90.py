@@ -20,9 +20,9 @@ def compiled_for_sm90(script: str, timeout: float = 600) -> dict:
     """``script``'s last stdout line as JSON; skips where Triton has no NVIDIA backend or ships
     no cuobjdump, fails with the script's stderr where it exits non-zero."""
     pytest.importorskip("triton.backends.nvidia")
-    from benchmarks.sass import triton_bin
+    from fastspec.bench.cubin import triton_tool
 
-    if triton_bin("cuobjdump") is None:
+    if triton_tool("cuobjdump") is None:
         pytest.skip("triton's nvidia backend ships no cuobjdump")
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT,

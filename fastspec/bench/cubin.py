@@ -18,7 +18,7 @@ import subprocess
 import tempfile
 from collections import Counter
 
-__all__ = ["disassemble", "find_tool", "instructions", "same_code"]
+__all__ = ["cuobjdump", "disassemble", "find_tool", "instructions", "same_code", "triton_tool"]
 
 
 def find_tool(name: str) -> str | None:
@@ -27,20 +27,25 @@ def find_tool(name: str) -> str | None:
     for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
         if home and os.access(os.path.join(home, "bin", name), os.X_OK):
             return os.path.join(home, "bin", name)
-    found = shutil.which(name)
-    if found:
-        return found
+    return shutil.which(name) or triton_tool(name)  # Triton is slow to import: only when PATH has none
+
+
+def triton_tool(name: str) -> str | None:
+    """Path of a CUDA binary tool the Triton wheel ships (``triton/backends/nvidia/bin``), or None.
+    Its ``cuobjdump`` is the one released with the ``ptxas`` that built Triton's cubins; a
+    toolkit's on PATH may be older or newer."""
     try:
-        import triton  # optional, and slow to import: only when no CUDA tool is on PATH
+        import triton  # optional
     except ImportError:
         return None
     path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
     return path if os.access(path, os.X_OK) else None
 
 
-def cuobjdump(cubin: str, flag: str) -> str:
-    """``cuobjdump FLAG CUBIN``'s output (a cubin, or an object/executable holding one)."""
-    tool = find_tool("cuobjdump")
+def cuobjdump(cubin: str, flag: str, tool: str | None = None) -> str:
+    """``cuobjdump FLAG CUBIN``'s output (a cubin, or an object/executable holding one), with
+    ``tool`` (a cuobjdump's path) or else :func:`find_tool`'s."""
+    tool = tool or find_tool("cuobjdump")
     if tool is None:
         raise FileNotFoundError("cuobjdump: not on PATH and not in the Triton wheel")
     return subprocess.run([tool, flag, cubin], capture_output=True, text=True, check=True).stdout
