@@ -57,7 +57,7 @@ def _extensions() -> list[Extension]:
         define_macros=[(name, str(value)) for name, value in macros.items()],
         depends=[*(str(p) for p in sorted(CSRC.glob("*.h"))), str(LIMITS)],
         extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden", "-pthread"],
-        extra_link_args=["-pthread"],  # std::thread in the test-only team emulation (eig_host.cpp)
+        extra_link_args=["-pthread"],  # the concurrent schedule's two std::threads in the test-only team emulation (eig_host.cpp)
         language="c++",
     )]
 

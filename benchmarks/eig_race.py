@@ -34,8 +34,8 @@ it finished.
 ``--dry-run``: CPU at tiny sizes, so this file cannot rot where no GPU exists (CI runs it). The
 ``cusolverdx`` row is generated, compiled and linked for sm_90 at the shape's n (what the GPU run
 loads), and not run: nothing emulates it; its entry says what was built. Each of fastspec's
-algorithms runs as the team emulation (``fastspec.eig.native.team_eigvalsh``: its own code, on
-host threads) and its time is the emulation's: a stand-in, labelled as such in the JSON, that says
+algorithms runs as the team emulation (``fastspec.eig.native.team_eigvalsh``: its own code, one
+rank per CUDA thread) and its time is the emulation's: a stand-in, labelled as such in the JSON, that says
 nothing about GPU speed. The dry run's rows are marked ``dry_run`` and cannot be merged. With
 ``--real-n`` the dry run keeps each shape's own n (batches of 2, a battery of 4 per family):
 slow (minutes), but its accuracy columns are the algorithms' own on the hard battery, the GPU
@@ -292,7 +292,7 @@ def run(json_path: Path, time_limit: float | None, dry: bool, real_n: bool = Fal
         arch, device_name = spec.cc, torch.cuda.get_device_name()
     date = time.strftime("%Y-%m-%d", time.gmtime())
     doc = {"schema": SCHEMA, "kind": "eig-race", "date": date, "dry_run": dry, "environment": environment(),
-           "timing": ("cpu stand-in: the team emulation on host threads, not a GPU time (says nothing about GPU "
+           "timing": ("cpu stand-in: the team emulation on the host, not a GPU time (says nothing about GPU "
                       "speed)" if dry else "CUDA events, median of 10 round-robin rounds after 2 warm-up rounds"),
            "sizes": "real" if real_n or not dry else "tiny", "results": [], "rows": [], "not_run": []}
     stop = []

@@ -66,10 +66,10 @@ PYBIND11_MODULE(_host, m) {
   const char* team_doc =
       "(in_ptr, out_ptr, batch, n, stride_batch, stride_row, stride_col, out_stride_batch, algo=0, schedule=0, "
       "drop=-1, phases=False) -> [line of each barrier], or with phases=True [every FS_PHASE mark of rank 0, "
-      "barriers included: the sequence the kernel's profiling build stamps]: tests only; algorithm `algo` of the CUDA kernel run by host threads (its "
-      "team size, barriers, reduction order and shared-memory layout). schedule 0: threads run freely; 1/2: one at "
-      "a time in rank order / reverse rank order (deterministic). drop: the barrier (index in the returned list) "
-      "every thread leaves out. Slow.";
+      "barriers included: the sequence the kernel's profiling build stamps]: tests only; algorithm `algo` of the CUDA kernel run by a team of ranks "
+      "(fibers: its team size, barriers, reduction order and shared-memory layout). schedule 0: two OS threads at "
+      "once; 1/2: one rank at a time in rank order / reverse rank order (deterministic). drop: the barrier (index in "
+      "the returned list) every rank leaves out. Slow.";
   m.def("team_eigvalsh_f32", &team_entry<float, fastspec::team_eigvalsh_f32>, team_doc, py::arg("in_ptr"),
         py::arg("out_ptr"), py::arg("batch"), py::arg("n"), py::arg("stride_batch"), py::arg("stride_row"),
         py::arg("stride_col"), py::arg("out_stride_batch"), py::arg("algo") = 0, py::arg("schedule") = 0,

@@ -2,19 +2,33 @@
 // CPU-only CI tests the solver's numerics (fastspec.eigvalsh(A, solver="host")); it is not
 // tuned for speed (torch's LAPACK path is the CPU solver of choice).
 //
-// Also here, for tests only: every algorithm of the kernel (eig_algos.h) run by a team of real
-// threads with the CUDA block's size, shared-memory layout, barriers and reduction order (32-lane
-// xor butterflies, warp totals folded in order, two alternating scratch halves). It checks,
-// without a GPU, what the one-thread twin cannot: the rank/size-strided loops, every barrier's
-// placement and the device buffer layout. Threads run freely or one at a time in a fixed order
-// (deterministic), and any one barrier can be left out: the tests show that leaving out any
-// barrier of an algorithm changes its results in one of the two orders.
+// Also here, for tests only: every algorithm of the kernel (eig_algos.h) run by a team of ranks
+// (fibers, on one or two OS threads) with the CUDA block's size, shared-memory layout, barriers
+// and reduction order (32-lane xor butterflies, warp totals folded in order, two alternating
+// scratch halves). It checks, without a GPU, what the one-thread twin cannot: the
+// rank/size-strided loops, every barrier's placement and the device buffer layout. Ranks run on
+// two OS threads at once, or one at a time in a fixed order (deterministic), and any one barrier
+// can be left out: the tests show that leaving out any barrier of an algorithm changes its
+// results in one of the two orders.
 #include "eig_host.h"
 
+#include <algorithm>
 #include <condition_variable>
+#include <functional>
+#include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <thread>
 #include <vector>
+
+#if __has_include(<ucontext.h>)
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+#define FS_FIBERS 1
+#else
+#define FS_FIBERS 0
+#endif
 
 #include "eig_algos.h"
 
@@ -38,70 +52,179 @@ void host_eigvalsh(const Real* in, Real* out, int64_t batch, int n, int64_t sb, 
   for (int64_t b = 0; b < batch; ++b) eigvalsh_one(team, in + b * sb, sr, sc, n, out + b * osb, wk);
 }
 
-// The emulation's schedulers. kConcurrent: real threads run freely between barriers (a reusable,
-// generation-counted barrier, blocking: 2-core CI boxes cannot afford spinning). kForward and
-// kReverse: one thread runs at a time, in rank order (or reversed), each from one barrier to the
-// next; so the emulation is deterministic, and a barrier left out (`drop`) merges two phases the
-// way a GPU may run them: a read of what another thread writes in the same phase sees it already
-// written in one order and not yet in the other, so one of the two orders gives other results.
+// The emulation's schedulers. The team's ranks are fibers (ucontext), not OS threads: a switch
+// between two costs ~0.25 µs where a hand-over between OS threads (a futex wake and a sleep) cost
+// ~4 µs, and a 256-rank team passes ~1,000 barriers per matrix, so on threads the emulation spent
+// nearly all its time in switches (2-3 s for two 128 x 128 matrices; the arithmetic, as the
+// one-thread twin does it, ~5 ms).
+//
+// kForward and kReverse: one OS thread runs every rank, one at a time, in rank order (or
+// reversed), each from one barrier to the next; so the emulation is deterministic, and a barrier
+// left out (`drop`) merges two phases the way a GPU may run them: a read of what another rank
+// writes in the same phase sees it already written in one order and not yet in the other, so one
+// of the two orders gives other results.
+// kConcurrent: kLanes OS threads run freely against each other, rank r on thread r mod kLanes
+// (every two neighbouring ranks of a warp run at the same time), each running its own ranks one
+// after another between barriers; at a barrier the threads meet too (a reusable,
+// generation-counted, blocking barrier: 2-core CI boxes cannot afford spinning).
 enum Schedule : int { kConcurrent = 0, kForward = 1, kReverse = 2 };
 
-class Scheduler {
+#if FS_FIBERS
+constexpr int kLanes = 2;                     // OS threads of the concurrent schedule
+constexpr size_t kStack = size_t(256) << 10;  // a rank's stack (the algorithms keep a few hundred bytes there)
+
+// The OS threads' meeting point at each barrier of the concurrent schedule.
+class Meeting {
  public:
-  Scheduler(int count, int schedule) : count_(count), schedule_(schedule), wake_(count), done_(count, false) {
-    current_ = schedule == kReverse ? count - 1 : 0;
-  }
-  // a thread's first step: wait for its turn (serial schedules)
-  void start(int me) {
-    if (schedule_ == kConcurrent) return;
+  explicit Meeting(int count) : count_(count) {}
+  void wait() {
     std::unique_lock<std::mutex> lock(mu_);
-    wake_[me].wait(lock, [&] { return current_ == me; });
-  }
-  // a barrier: every thread of the team waits here until all have arrived
-  void wait(int me) {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (schedule_ == kConcurrent) {
-      const unsigned gen = gen_;
-      if (++arrived_ == count_) {
-        arrived_ = 0;
-        ++gen_;
-        all_.notify_all();
-      } else {
-        all_.wait(lock, [&] { return gen != gen_; });
-      }
-      return;
+    const unsigned gen = gen_;
+    if (++arrived_ == count_) {
+      arrived_ = 0;
+      ++gen_;
+      all_.notify_all();
+    } else {
+      all_.wait(lock, [&] { return gen != gen_; });
     }
-    pass(me);
-    wake_[me].wait(lock, [&] { return current_ == me; });
-  }
-  // a thread's last step
-  void finish(int me) {
-    if (schedule_ == kConcurrent) return;
-    std::unique_lock<std::mutex> lock(mu_);
-    done_[me] = true;
-    pass(me);
   }
 
  private:
-  // hand the turn to the next unfinished thread in the schedule's order (caller holds mu_)
-  void pass(int me) {
-    int next = me;
-    for (int i = 0; i < count_; ++i) {
-      next = schedule_ == kReverse ? (next + count_ - 1) % count_ : (next + 1) % count_;
-      if (!done_[next]) break;
-    }
-    current_ = next;
-    wake_[next].notify_one();
-  }
   std::mutex mu_;
   std::condition_variable all_;
-  int count_, schedule_, arrived_ = 0, current_ = 0;
+  int count_, arrived_ = 0;
   unsigned gen_ = 0;
-  std::vector<std::condition_variable> wake_;
-  std::vector<bool> done_;
 };
 
-// BlockTeam (eig_kernel.cu) on threads: same rank/size, barriers, and reduction arithmetic. The
+// One OS thread's share of the team: its ranks as fibers, in a fixed cyclic order. A rank at a
+// barrier hands over to the next one still running; the last one to arrive (the last of the
+// order) first meets the other lanes, so every rank of the team has arrived before any goes on.
+class Lane {
+ public:
+  Lane(std::vector<int> ranks, Meeting* meeting)
+      : ranks_(std::move(ranks)), meeting_(meeting), ctx_(ranks_.size()), done_(ranks_.size(), false),
+        alive_(static_cast<int>(ranks_.size())) {
+    for (size_t i = 0; i < ranks_.size(); ++i) {
+      // the lowest page is a guard: an overflow faults instead of writing over another rank's stack
+      void* s = mmap(nullptr, kStack + page(), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                     -1, 0);
+      if (s == MAP_FAILED) throw std::runtime_error("team emulation: no memory for a rank's stack");
+      stacks_.push_back(s);
+      if (mprotect(s, page(), PROT_NONE) != 0) throw std::runtime_error("team emulation: mprotect failed");
+    }
+  }
+  Lane(const Lane&) = delete;
+  Lane& operator=(const Lane&) = delete;
+  ~Lane() {
+    for (void* s : stacks_) munmap(s, kStack + page());
+  }
+  const std::vector<int>& ranks() const { return ranks_; }
+
+  // run body(rank) for every rank of the lane, to its end, on the calling OS thread
+  void run(const std::function<void(int)>& body) {
+    if (ranks_.empty()) return;
+    body_ = &body;
+    const auto self = reinterpret_cast<uintptr_t>(this);
+    for (size_t i = 0; i < ranks_.size(); ++i) {
+      getcontext(&ctx_[i]);
+      ctx_[i].uc_stack.ss_sp = static_cast<char*>(stacks_[i]) + page();
+      ctx_[i].uc_stack.ss_size = kStack;
+      ctx_[i].uc_link = &main_;
+      // makecontext passes ints: the lane's address in two halves, then the rank's index
+      makecontext(&ctx_[i], reinterpret_cast<void (*)()>(&Lane::entry), 3, static_cast<unsigned>(self >> 32),
+                  static_cast<unsigned>(self & 0xffffffffu), static_cast<unsigned>(i));
+    }
+    at_ = 0;
+    swapcontext(&main_, &ctx_[0]);  // back here when the last rank has ended
+  }
+
+  // a barrier, called by the rank running now
+  void wait() {
+    if (++arrived_ == alive_) round();
+    const size_t from = at_;
+    at_ = next(from);
+    if (at_ != from) swapcontext(&ctx_[from], &ctx_[at_]);
+  }
+
+ private:
+  static size_t page() { return static_cast<size_t>(sysconf(_SC_PAGESIZE)); }
+
+  static void entry(unsigned hi, unsigned lo, unsigned i) {
+    Lane* lane = reinterpret_cast<Lane*>((static_cast<uintptr_t>(hi) << 32) | lo);
+    (*lane->body_)(lane->ranks_[i]);
+    lane->finish();
+  }
+
+  // every running rank of the lane has arrived: meet the other lanes; a new round begins
+  void round() {
+    arrived_ = 0;
+    if (meeting_) meeting_->wait();
+  }
+
+  // the running rank has ended: the next one goes on, or the lane is done. (Every rank passes
+  // the same barriers; were one to end while the others wait at a barrier, they go on.)
+  void finish() {
+    done_[at_] = true;
+    if (--alive_ == 0) setcontext(&main_);
+    if (arrived_ == alive_) round();
+    at_ = next(at_);
+    setcontext(&ctx_[at_]);
+  }
+
+  size_t next(size_t i) const {
+    for (size_t k = 0; k < ranks_.size(); ++k) {
+      i = (i + 1) % ranks_.size();
+      if (!done_[i]) return i;
+    }
+    return i;
+  }
+
+  std::vector<int> ranks_;
+  Meeting* meeting_;
+  std::vector<ucontext_t> ctx_;
+  std::vector<bool> done_;
+  std::vector<void*> stacks_;
+  const std::function<void(int)>* body_ = nullptr;
+  ucontext_t main_{};
+  size_t at_ = 0;
+  int alive_, arrived_ = 0;
+};
+
+// The team: `count` ranks, spread over the schedule's lanes.
+class Scheduler {
+ public:
+  Scheduler(int count, int schedule) : lane_of_(static_cast<size_t>(count)) {
+    const int lanes = schedule == kConcurrent ? std::min(kLanes, count) : 1;
+    std::vector<std::vector<int>> ranks(static_cast<size_t>(lanes));
+    for (int k = 0; k < count; ++k) {
+      const int r = schedule == kReverse ? count - 1 - k : k;
+      ranks[static_cast<size_t>(r % lanes)].push_back(r);
+    }
+    if (lanes > 1) meeting_ = std::make_unique<Meeting>(lanes);
+    for (auto& r : ranks) {
+      lanes_.push_back(std::make_unique<Lane>(std::move(r), meeting_.get()));
+      for (int rank : lanes_.back()->ranks()) lane_of_[static_cast<size_t>(rank)] = lanes_.back().get();
+    }
+  }
+  // run body(rank) for every rank; returns when all have ended
+  void run(const std::function<void(int)>& body) {
+    if (lanes_.size() == 1) return lanes_[0]->run(body);
+    std::vector<std::thread> threads;
+    for (auto& lane : lanes_) threads.emplace_back([&lane, &body] { lane->run(body); });
+    for (auto& t : threads) t.join();
+  }
+  // a barrier: every rank of the team waits here until all have arrived
+  void wait(int me) { lane_of_[static_cast<size_t>(me)]->wait(); }
+
+ private:
+  std::unique_ptr<Meeting> meeting_;
+  std::vector<std::unique_ptr<Lane>> lanes_;
+  std::vector<Lane*> lane_of_;
+};
+#endif  // FS_FIBERS
+
+#if FS_FIBERS
+// BlockTeam (eig_kernel.cu) on the emulation's ranks: same rank/size, barriers, and reduction arithmetic. The
 // barriers of the algorithm (FS_SYNC) are counted; rank 0 records each one's source line, and the
 // `drop`-th is skipped by every thread (the barrier-mutation check); the reductions' own barriers
 // are the team's and always kept.
@@ -162,10 +285,12 @@ struct ThreadTeam {
     return reduce(x, [](Real a, Real b) { return a > b ? a : b; });
   }
 };
+#endif  // FS_FIBERS
 
 template <class Real>
 std::vector<int> team_eigvalsh(const Real* in, Real* out, int64_t batch, int n, int64_t sb, int64_t sr, int64_t sc,
                                int64_t osb, int algo, int schedule, int64_t drop, int record) {
+#if FS_FIBERS
   const int nt = algo_threads(algo, n);
   // the kernel's shared-memory layout of this algorithm; poisoned with NaN, as uninitialized
   // shared memory may hold anything: a read before the first write shows in the results
@@ -173,19 +298,17 @@ std::vector<int> team_eigvalsh(const Real* in, Real* out, int64_t batch, int n, 
   std::vector<Real> scratch(2 * ThreadTeam::kMaxLanes, Num<Real>::nan_());
   std::vector<int> sites, phases;
   Scheduler sched(nt, schedule);
-  std::vector<std::thread> threads;
-  for (int me = 0; me < nt; ++me) {
-    threads.emplace_back([&, me] {
-      const ThreadTeam team{me,      nt, &sched, scratch.data(), drop, me == 0 ? &sites : nullptr,
-                            me == 0 ? &phases : nullptr, 0u, 0, kPhaseLoad};
-      sched.start(me);
-      for (int64_t b = 0; b < batch; ++b)
-        algo_eigvalsh_one(algo, team, in + b * sb, sr, sc, n, out + b * osb, sm.data());
-      sched.finish(me);
-    });
-  }
-  for (auto& t : threads) t.join();
+  sched.run([&](int me) {
+    const ThreadTeam team{me,      nt, &sched, scratch.data(), drop, me == 0 ? &sites : nullptr,
+                          me == 0 ? &phases : nullptr, 0u, 0, kPhaseLoad};
+    for (int64_t b = 0; b < batch; ++b) algo_eigvalsh_one(algo, team, in + b * sb, sr, sc, n, out + b * osb, sm.data());
+  });
   return record == kRecordPhases ? phases : sites;
+#else
+  (void)in, (void)out, (void)batch, (void)n, (void)sb, (void)sr, (void)sc, (void)osb, (void)algo, (void)schedule,
+      (void)drop, (void)record;
+  throw std::runtime_error("the team emulation needs <ucontext.h> (POSIX): not available on this platform");
+#endif
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
 """The team emulation of the CUDA eigensolver's algorithms (``csrc/eig_host.cpp``) as
-test helpers: run an algorithm on host threads, the accuracy criterion, and the barrier-mutation
+test helpers: run an algorithm by a team of ranks, the accuracy criterion, and the barrier-mutation
 check. Used by ``tests/test_eig_host.py`` (the block algorithm) and the candidates' test files
 (``tests/test_eig_packed.py``, ``tests/test_eig_regs.py``, ``tests/test_eig_split.py``).
 
@@ -33,9 +33,9 @@ NO_EXT = pytest.mark.skipif(os.environ.get("FASTSPEC_NO_EXT") == "1",
 
 @pytest.fixture(autouse=True, scope="module")
 def one_torch_thread():
-    """Import it into a test module: its tests run torch on one thread. The emulation runs up to
-    256 host threads and LAPACK's tiny reference calls gain nothing from more; on a shared 2-core
-    box torch's own pool would only spin against them."""
+    """Import it into a test module: its tests run torch on one thread. The emulation's
+    concurrent schedule runs two OS threads and LAPACK's tiny reference calls gain nothing from
+    more; on a shared 2-core box torch's own pool would only spin against them."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -67,7 +67,7 @@ def battery_cases(sizes, slow, families=HARD_FAMILIES, dtypes=None) -> list:
 
 def team(A: torch.Tensor, algo: str = "block", schedule: int = CONCURRENT, drop: int = -1
          ) -> tuple[torch.Tensor, list[int]]:
-    """Eigenvalues of ``A: [B, n, n]`` by algorithm ``algo`` on host threads, with the site of
+    """Eigenvalues of ``A: [B, n, n]`` by algorithm ``algo`` run by the team emulation, with the site of
     every ``FS_SYNC`` barrier passed, in order (:func:`fastspec.eig.native.team_eigvalsh`)."""
     return native.team_eigvalsh(A, algo, schedule, drop)
 

@@ -1,5 +1,5 @@
 """What every algorithm of the CUDA eigensolver promises, checked on each through the team
-emulation (its own code on host threads, csrc/eig_host.cpp): the contract of
+emulation (its own code, one rank per CUDA thread, csrc/eig_host.cpp): the contract of
 ``fastspec.eigvalsh`` beyond accuracy. Each algorithm's own file adds its accuracy battery, its
 barrier-mutation check and its SASS bounds (tests/test_eig_host.py for block, test_eig_packed.py,
 test_eig_regs.py, test_eig_split.py).

@@ -4,7 +4,7 @@ isolation rounds and a safeguarded Newton iteration per eigenvalue instead of bi
 
 Two halves, both without a GPU:
 
-* the team emulation (``csrc/eig_host.cpp``: the algorithm on round_up(n, 32) host threads with the
+* the team emulation (``csrc/eig_host.cpp``: the algorithm by round_up(n, 32) ranks with the
   kernel's barriers, reduction order and shared-memory layout, poisoned with NaN before the first
   matrix) against LAPACK: the families of :mod:`fastspec.eig.matrices` at several n, in the
   free-running and a serial schedule, float32 and float64, and the benchmark's power-law Gram

@@ -4,7 +4,7 @@ the lower triangle only, in shared memory, so float32 n = 256 fits one block and
 
 Two halves, both without a GPU:
 
-* the team emulation (``csrc/eig_host.cpp``: the algorithm on round_up(n, 32) host threads with the
+* the team emulation (``csrc/eig_host.cpp``: the algorithm by round_up(n, 32) ranks with the
   kernel's barriers, reduction order and shared-memory layout, poisoned with NaN before the first
   matrix) against LAPACK: the families of :mod:`fastspec.eig.matrices` at several n (tiny, not a
   multiple of 32, the largest), in the free-running and a serial schedule; and the

@@ -1,8 +1,8 @@
 """The "regs" algorithm of the CUDA eigensolver (``csrc/eig_regs.h``: float32, n <= 128,
-the matrix in registers, two threads per column) run by the team emulation on host threads, and
+the matrix in registers, two threads per column) run by the team emulation, and
 its sm_90 SASS through NVRTC.
 
-Emulation: the kernel's own code on ``2 * round_up(n, 32)`` host threads with the kernel's barriers,
+Emulation: the kernel's own code run by ``2 * round_up(n, 32)`` ranks with the kernel's barriers,
 reduction order and shared-memory layout (``tests/_eig_team.py``); accuracy against fp64 LAPACK
 with the host twin's criterion (2 x torch fp32's error + 8 eps ||A||). ~1.7 s per two 128 x 128
 matrices on 2 cores: the fast tier keeps n = 128 to two families, ``--full`` runs the rest.

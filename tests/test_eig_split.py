@@ -2,7 +2,7 @@
 two threads per column in the tridiagonalization, two Sturm counts per eigenvalue and sweep
 (trisection) in the bisection, a division-free fp64 Sturm step.
 
-Without a GPU: the team emulation (``csrc/eig_host.cpp``: one host thread per CUDA thread, the
+Without a GPU: the team emulation (``csrc/eig_host.cpp``: one rank per CUDA thread, the
 kernel's barriers, reduction order and shared-memory layout, poisoned with NaN) runs the algorithm
 in the concurrent and in a serial schedule, against LAPACK; the barrier-mutation check shows each
 barrier needed; NVRTC compiles it for sm_90 and the SASS is checked (spills, address spaces, the

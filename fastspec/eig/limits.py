@@ -23,7 +23,7 @@ n = 128); larger ``n`` go to ``torch.linalg.eigvalsh``. Python only (dispatch po
 
 MAX_THREADS = 256
 """Largest CUDA block: ``round_up(n, 32)`` threads up to this, one matrix column each; larger ``n``
-stride over the columns. The host team emulation uses as many threads. Macro ``FS_MAX_THREADS``."""
+stride over the columns. The host team emulation uses as many ranks. Macro ``FS_MAX_THREADS``."""
 
 GRID = 128
 """Cells of the bisection's first, team-wide Sturm-count pass (``eig_core.h``'s ``kGrid``): the

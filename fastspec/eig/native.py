@@ -99,10 +99,11 @@ def host_eigvalsh(A: Tensor) -> Tensor:
 
 def team_eigvalsh(A: Tensor, algo: str = "block", schedule: int = 0, drop: int = -1) -> tuple[Tensor, list[int]]:
     """For tests and the GPU kit's dry run, not for speed: algorithm ``algo`` of the CUDA kernel
-    (:data:`.variants.ALGORITHMS`) run on host threads by the team emulation, on CPU ``A: [..., n,
-    n]`` -> ``[..., n]``; with the site of every ``FS_SYNC`` barrier passed, in order. ``schedule``:
-    0 threads run freely, 1 one at a time in rank order, 2 in reverse; ``drop``: the index (in that
-    list) of the barrier every thread leaves out (csrc/eig_host.cpp)."""
+    (:data:`.variants.ALGORITHMS`) run by the team emulation (one rank, a fiber, per CUDA thread),
+    on CPU ``A: [..., n, n]`` -> ``[..., n]``; with the site of every ``FS_SYNC`` barrier passed,
+    in order. ``schedule``: 0 on two OS threads at once, 1 one rank at a time in rank order, 2 in
+    reverse; ``drop``: the index (in that list) of the barrier every rank leaves out
+    (csrc/eig_host.cpp)."""
     _require("host")
     if A.device.type != "cpu":
         raise ValueError(f"A: expected a cpu tensor, got device {A.device}")
