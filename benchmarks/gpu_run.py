@@ -174,8 +174,8 @@ PLAN: dict[int, tuple[Step, ...]] = {
         # 60 s (was 75): it runs to its cap wherever it runs (the H200, 2026-11-28: SIGINT at 85 s,
         # killed at 90), so its cap is what the plan can spare; 15 s of it went to cov-race, whose
         # rows choose the route of every exact keys update
-        Step("tests", "tests", 45, 10, "pytest -m 'gpu or triton' (8 workers where pytest-xdist is "
-             "installed): CUDA solver, Triton kernels on CUDA"),
+        Step("tests", "tests", 45, 10, "pytest -m 'gpu or triton' (8 workers, one per core at most, where "
+             "pytest-xdist is installed): CUDA solver, Triton kernels on CUDA"),
         SUMMARY),
     2: (BUILD, KERNELS_AGAIN,
         # which launch settings the float32 Triton covariance kernels use
@@ -315,10 +315,12 @@ class Run:
                     "--time-limit", cap]
         if step.kind == "tests":
             # the GPU tests are mostly Triton compiles (CPU work): 8 workers where xdist is
-            # installed (the GPU machines have it); serial, 130 s ran 30% of them (2026-11-26).
+            # installed (the GPU machines have it; 16 cores), at most one per core (the dry run's
+            # 2-core CPU: 8 workers there spent the whole cap starting); serial, 130 s ran 30%
+            # of them (2026-11-26).
             # -v names each test as it ends: a step cut by its cap (SIGKILL before pytest's
             # summary) still says which failed; the H100 run's had 5 F's and no names
-            workers = ["-n", "8"] if importlib.util.find_spec("xdist") else []
+            workers = ["-n", str(min(8, len(os.sched_getaffinity(0))))] if importlib.util.find_spec("xdist") else []
             return [py, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-o", "addopts=", "-rfE", "--full",
                     *workers, "-m", "gpu or triton", "tests"]
         if step.kind == "diag":

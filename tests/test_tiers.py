@@ -1,7 +1,9 @@
 """The test tiers and the GPU marker of the repository's conftest.py (README: which command runs which)."""
 from __future__ import annotations
 
+import os
 import re
+import types
 from pathlib import Path
 
 import pytest
@@ -26,7 +28,8 @@ def test_on_the_device():
 
 
 @pytest.fixture
-def sample(pytester):
+def sample(pytester, monkeypatch):
+    monkeypatch.setenv("FASTSPEC_TEST_WORKERS", "0")  # one process: these tests count its outcomes
     pytester.makeconftest((ROOT / "conftest.py").read_text())
     pytester.makeini("[pytest]\nmarkers =\n    slow: long\n    gpu: device\n")
     pytester.makepyfile(test_sample=SAMPLE)
@@ -81,6 +84,8 @@ def test_under_a_deadline_a_failure_is_printed_when_it_happens(pytester, monkeyp
     lines are printed as the test fails, before the next test starts, and only under a cap."""
     import time
 
+    monkeypatch.setenv("FASTSPEC_TEST_WORKERS", "0")
+
     pytester.makeconftest((ROOT / "conftest.py").read_text())
     pytester.makepyfile(test_two="""
 def test_breaks():
@@ -111,6 +116,125 @@ def test_a_deadline_that_is_no_time_is_a_one_line_usage_error(sample, monkeypatc
     assert "Traceback" not in res.stderr.str()
 
 
+WORKERS_SAMPLE = """
+import json, os, subprocess, sys, time
+import pytest, torch
+
+def _log(name):
+    t0 = time.monotonic()
+    time.sleep(0.3)
+    with open(os.path.join(LOGS, name + ".json"), "w") as f:
+        json.dump({"start": t0, "end": time.monotonic(), "worker": os.environ.get("PYTEST_XDIST_WORKER"),
+                   "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
+                   "caches": [os.environ.get(v) for v in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
+                                                          "FASTSPEC_CACHE")]}, f)
+
+@pytest.mark.parametrize("i", range(6))
+def test_ordinary(i):
+    _log(f"ordinary{i}")
+
+@pytest.mark.serial
+@pytest.mark.parametrize("i", range(2))
+def test_serial(i):
+    _log(f"serial{i}")
+
+@pytest.mark.slow
+def test_slow():
+    pass
+
+def test_child_process():  # the pytest runs a test starts do not add their times to the run's
+    code = "import os; print(os.environ.get('FASTSPEC_TEST_TIMES'))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "None"
+"""
+SAMPLE_RAN = (["test_workers.py::test_child_process"] + [f"test_workers.py::test_ordinary[{i}]" for i in range(6)]
+              + [f"test_workers.py::test_serial[{i}]" for i in range(2)])  # the fast tier: not test_slow
+
+
+@pytest.fixture
+def workers_sample(pytester, monkeypatch, tmp_path):
+    """The sample above, run by the repository's conftest.py in a child pytest process; its
+    tests log what they saw to ``logs``, and the run's times go to ``times`` (which already
+    holds a line: appended to, not replaced)."""
+    pytester.makeconftest((ROOT / "conftest.py").read_text())
+    pytester.makeini("[pytest]\nmarkers =\n    slow: long\n    gpu: device\n    serial: alone\n")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    pytester.makepyfile(test_workers=f"LOGS = {str(logs)!r}\n" + WORKERS_SAMPLE)
+    times = tmp_path / "times.tsv"
+    times.write_text("1.000\tfrom before\n")
+    monkeypatch.setenv("FASTSPEC_TEST_TIMES", str(times))
+    monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path / "cache"))
+    for var in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "OMP_NUM_THREADS", "FASTSPEC_TEST_WORKERS"):
+        monkeypatch.delenv(var, raising=False)  # this test may itself run in a worker
+    return types.SimpleNamespace(pytester=pytester, logs=logs, times=times)
+
+
+def _logs(logs) -> dict:
+    import json
+    return {p.stem: json.loads(p.read_text()) for p in logs.glob("*.json")}
+
+
+def _times(times, ran: list[str], wall_at_least: float) -> None:
+    """FASTSPEC_TEST_TIMES: the line that was there, one line per test that ran (set-up, call and
+    teardown), then one for the whole run."""
+    lines = [ln.split("\t") for ln in times.read_text().splitlines()]
+    assert lines[0] == ["1.000", "from before"]
+    assert sorted(nodeid for _, nodeid in lines[1:-1]) == sorted(ran)
+    seconds = {nodeid: float(t) for t, nodeid in lines[1:]}
+    assert all(seconds[n] >= 0.3 for n in ran if "ordinary" in n or "serial" in n)  # each sleeps 0.3 s
+    assert lines[-1][1] == "<pytest run>" and seconds["<pytest run>"] >= wall_at_least
+
+
+@pytest.mark.serial  # its timings of the sample's tests must not share the machine
+def test_workers_share_the_cores_keep_their_caches_and_serial_tests_run_alone(workers_sample, monkeypatch):
+    """Two workers (``FASTSPEC_TEST_WORKERS=2``, as a 2-core machine gets by default): each runs
+    torch on one core and compiles into caches of its own; a ``serial`` test overlaps no other
+    test; the fast tier's summary line still counts the slow tests the workers deselected; every
+    test's time is recorded, the run's too."""
+    w = workers_sample
+    monkeypatch.setenv("FASTSPEC_TEST_WORKERS", "2")
+    # one test at a time to each worker: by default a module's tests share one (--dist loadscope)
+    res = w.pytester.runpytest_subprocess("-p", "no:cacheprovider", "--dist", "load")
+    res.assert_outcomes(passed=9)
+    res.stdout.fnmatch_lines(["*1 slow tests deselected; `pytest --full` runs them*"])
+    got = _logs(w.logs)
+    assert len(got) == 8 and {g["worker"] for g in got.values()} == {"gw0", "gw1"}
+    cores = len(os.sched_getaffinity(0))
+    assert {(g["threads"], g["omp"]) for g in got.values()} == {(max(1, cores // 2), str(max(1, cores // 2)))}
+    for g in got.values():
+        assert all(c.endswith(f"xdist-{g['worker']}") for c in g["caches"]), g["caches"]
+    assert got["serial0"]["caches"][2] in (str(Path(os.environ["FASTSPEC_CACHE"]) / "xdist-gw0"),
+                                          str(Path(os.environ["FASTSPEC_CACHE"]) / "xdist-gw1"))
+    for name in ("serial0", "serial1"):
+        s = got[name]
+        overlapping = [k for k, g in got.items() if k != name and g["start"] < s["end"] and s["start"] < g["end"]]
+        assert not overlapping, (name, overlapping)
+    # the ordinary ones did run side by side (else the check above proves nothing)
+    ordinary = sorted((g["start"], g["end"]) for k, g in got.items() if k.startswith("ordinary"))
+    assert any(b[0] < a[1] for a, b in zip(ordinary, ordinary[1:]))
+    _times(w.times, SAMPLE_RAN, wall_at_least=5 * 0.3)  # 6 x 0.3 s side by side, 2 alone
+
+
+@pytest.mark.parametrize("how", [["-n", "0"], ["test_workers.py::test_ordinary"], ["-s"]])
+def test_one_process_when_asked_or_when_naming_tests(workers_sample, how):
+    """``-n 0``, a run naming its tests by node id, and ``-s`` stay in one process (no cores
+    given to anyone: torch keeps its own thread count); the times are recorded as with workers."""
+    w = workers_sample
+    res = w.pytester.runpytest_subprocess("-p", "no:cacheprovider", *how)
+    ran = [n for n in SAMPLE_RAN if "test_ordinary" in n] if "::" in how[0] else SAMPLE_RAN
+    res.assert_outcomes(passed=len(ran))
+    assert {g["worker"] for g in _logs(w.logs).values()} == {None}
+    _times(w.times, ran, wall_at_least=0.3 * (len(ran) - 1))
+
+
+def test_a_worker_count_that_is_no_number_is_a_one_line_usage_error(workers_sample, monkeypatch):
+    monkeypatch.setenv("FASTSPEC_TEST_WORKERS", "two")
+    res = workers_sample.pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    res.stderr.fnmatch_lines(["*FASTSPEC_TEST_WORKERS: expected a number of workers (0: one process), got 'two'"])
+    assert "Traceback" not in res.stderr.str()
+
+
 def test_gpu_tests_are_marked_one_way_and_slow_is_used():
     """A GPU-only test is ``mark.gpu``, never its own ``skipif(not torch.cuda.is_available())``
     (the GPU kit selects on the marker, and would miss it); the ``slow`` marker is in use."""
@@ -124,7 +248,8 @@ def test_gpu_tests_are_marked_one_way_and_slow_is_used():
 def test_ci_runs_the_full_tier_and_the_kit_dry_run_under_the_gpu_stack():
     """CI runs README's test command, which must ask for ``--full`` (every slow test runs once, on
     the newest packages); the stages of .ci/run run the fast tier or more, and the GPU machines'
-    stage runs the GPU kit's dry run (slow) and the compiled captures in full."""
+    stage runs the GPU kit's dry run (slow), the compiled captures and every module whose Triton
+    kernels are compiled for sm_90 (a slow test: what the GPU machines' Triton makes of them) in full."""
     readme = (ROOT / "README.md").read_text().splitlines()
     at = next(i for i, line in enumerate(readme) if "ci-test-command" in line)
     command = readme[at + 2]  # the marker, the fence, the command (what .ci/run reads)
@@ -132,9 +257,12 @@ def test_ci_runs_the_full_tier_and_the_kit_dry_run_under_the_gpu_stack():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "bash -c \"$cmd\"" in ci  # the newest stage runs that command as is
     stage = ci.split("stage_gpu_stack() {", 1)[1].split("\n}\n", 1)[0]
-    full = re.search(r"^GPU_STACK_FULL=\((.*)\)$", ci, re.MULTILINE).group(1).split()
+    full = re.search(r"^GPU_STACK_FULL=\(([^)]*)\)", ci, re.MULTILINE).group(1).split()
     assert {"tests/test_gpu_run.py", "tests/test_probe_compile.py"} <= set(full)
     assert all((ROOT / f).is_file() for f in full)
+    sm90 = {f"tests/{f.name}" for f in (ROOT / "tests").glob("test_*.py")
+            if f.name != Path(__file__).name and "from _sm90 import compiled_for_sm90" in f.read_text()}
+    assert sm90 and sm90 <= set(full), sm90 - set(full)
     # the fast tier leaves those files to the full run, which names them
     assert re.search(r'-m pytest .*tests benchmarks \\\n *"\$\{GPU_STACK_FULL\[@\]/#/--ignore=\}"', stage)
     assert re.search(r'-m pytest .*--full "\$\{GPU_STACK_FULL\[@\]\}"', stage)
