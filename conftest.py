@@ -8,7 +8,7 @@ asked for.
 
 GPU. A test that needs a CUDA device is marked ``gpu`` (``pytest.mark.gpu``, or ``pytestmark``
 for a whole file) and nothing else: without CUDA it is skipped with one reason, and the GPU kit
-(``benchmarks/gpu_run.py``) selects the device tests with ``-m "gpu or triton"``.
+(``benchmarks/gpu_run.py``) selects the device tests with ``-m "(gpu or triton) and not sm90"``.
 
 Time cap. With ``FASTSPEC_TEST_DEADLINE`` set (seconds since the epoch, as ``time.time()``), no
 test starts after it: the rest are skipped as not started, and the summary says how many. The

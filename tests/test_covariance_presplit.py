@@ -320,6 +320,7 @@ H100_SMEM = 232448  # shared memory one block may opt into on sm_90
 # slow: the pre-split kernels compiled for sm_90 (~15 s on 2 cores, with a cold Triton cache); the full tier runs it,
 # and CI's gpu-stack stage under the GPU machines' Triton (.ci/run GPU_STACK_FULL)
 @pytest.mark.slow
+@pytest.mark.sm90
 def test_kernels_compile_for_sm90_without_a_gpu():
     """Compile both kernels for sm_90 with Triton's bundled ptxas (the interpreter misses
     compile errors) and pin what the design rests on: the Gram loop's dots on wgmma (HGMMA)

@@ -17,7 +17,14 @@ triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.triton  # the GPU kit runs these on CUDA (benchmarks/gpu_run.py)
 
 from _cov_triton import (  # noqa: E402, F401 - two autouse fixtures among them
-    DEVICE, DT_ID, DTYPES, FLOOR, RATIO, _fp32_torch_yardstick, _nan_filled_buffers, _stats,
+    DEVICE,
+    DT_ID,
+    DTYPES,
+    FLOOR,
+    RATIO,
+    _fp32_torch_yardstick,
+    _nan_filled_buffers,
+    _stats,
     check_against_fp64,
 )
 from _sm90 import compiled_for_sm90  # noqa: E402
@@ -581,6 +588,7 @@ KNOWN_SPILLS = {("f64w8s3", True): (32, 24), ("f32w8s3", True): (32, 16), ("f32w
 # slow: every kernel and candidate compiled for sm_90 (~30 s on 2 cores, with a cold Triton cache);
 # the full tier runs it, and CI's gpu-stack stage under the GPU machines' Triton (.ci/run GPU_STACK_FULL)
 @pytest.mark.slow
+@pytest.mark.sm90
 def test_kernels_compile_for_sm90_without_a_gpu():
     """The interpreter runs kernels as Python and misses compile errors (e.g. return types of
     constexpr-dead branches): compile every kernel for sm_90 with Triton's bundled ptxas.

@@ -15,7 +15,10 @@ triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.triton  # the GPU kit runs these on CUDA (benchmarks/gpu_run.py)
 
 from _cov_triton import (  # noqa: E402, F401 - two autouse fixtures among them
-    DEVICE, _fp32_torch_yardstick, _nan_filled_buffers, check_against_fp64,
+    DEVICE,
+    _fp32_torch_yardstick,
+    _nan_filled_buffers,
+    check_against_fp64,
 )
 
 from fastspec.covariance import triton_configs as tcfg  # noqa: E402

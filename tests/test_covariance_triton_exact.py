@@ -468,6 +468,7 @@ print(json.dumps({str(k): v for k, v in out.items()}))
 # slow: the exact route's kernels compiled for sm_90 (~9 s on 2 cores, with a cold Triton cache); the full tier runs it,
 # and CI's gpu-stack stage under the GPU machines' Triton (.ci/run GPU_STACK_FULL)
 @pytest.mark.slow
+@pytest.mark.sm90
 def test_kernels_compile_for_sm90_without_a_gpu():
     """Compile for sm_90 with Triton's bundled ptxas (the interpreter misses compile errors):
     the prep and finish kernels on any Triton; the float64 dot kernels only where

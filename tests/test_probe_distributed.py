@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _ranks import start_ranks
 from _tiny_models import batch, build
 
 import fastspec
@@ -57,8 +57,7 @@ def test_two_rank_gloo_merge_equals_single_process(tmp_path):
     model = build("llama")  # also imports the model code once, before the fork
     full = batch(B=4, T=10, pad="left")
     want = _values(fastspec.Probe(model, queries=True).measure(full, step=3))
-    # fork: the children inherit the imported torch/transformers (spawn re-imports them, ~10 s each)
-    mp.start_processes(_worker, args=(str(tmp_path),), nprocs=WORLD, join=True, start_method="fork")
+    start_ranks(_worker, str(tmp_path), nprocs=WORLD)
     outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     for out in outs:
         got = _values(out["measure"])

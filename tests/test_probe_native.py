@@ -24,7 +24,7 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _ranks import start_ranks
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -195,7 +195,9 @@ def test_bad_families_and_positions_raise_one_line():
 def _wrapped() -> TinyNative:
     """Each block inside torch's checkpoint wrapper, as TorchTitan and OLMo-core apply it: module
     names gain a ``_checkpoint_wrapped_module`` segment, which site patterns look through."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper,
+    )
 
     model = TinyNative()
     model.blocks = nn.ModuleList(checkpoint_wrapper(b) for b in model.blocks)
@@ -281,7 +283,7 @@ def test_dtensor_keys_get_their_global_head_index(tmp_path):
     model, x = TinyNative(), tokens()
     _cut(model)
     want = values(fastspec.Probe(model, queries=True, ffn=False, family=family()).measure(x, step=0))
-    mp.start_processes(_tp_worker, args=(str(tmp_path),), nprocs=WORLD, join=True, start_method="fork")
+    start_ranks(_tp_worker, str(tmp_path), nprocs=WORLD)
     outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     for r, out in enumerate(outs):
         assert "error" not in out, out["error"]

@@ -1,6 +1,6 @@
 """The probe under distributed engines: FSDP2 (``fully_shard``) and DTensor tensor parallelism.
 
-Two gloo processes on CPU (fork, file rendezvous, one thread each, as test_probe_distributed.py),
+Two gloo processes on CPU (tests/_ranks.py, file rendezvous, one thread each, as test_probe_distributed.py),
 tiny Llama (4 query heads, 2 KV heads, 2 layers), each engine eager and compiled
 (``backend="aot_eager"``). One 2-rank job per engine runs every variant; each variant's records
 (or its traceback) come back to the parent, which compares them with one process's records.
@@ -26,7 +26,7 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _ranks import start_ranks
 from _tiny_models import batch, build
 
 import fastspec
@@ -109,8 +109,7 @@ def _init(rank: int, tmpdir: str) -> None:
 
 
 def _run(worker, tmpdir: str) -> list[dict]:
-    # fork: the children inherit the imported torch/transformers (spawn re-imports them)
-    mp.start_processes(worker, args=(tmpdir,), nprocs=WORLD, join=True, start_method="fork")
+    start_ranks(worker, tmpdir, nprocs=WORLD)
     return [torch.load(os.path.join(tmpdir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
 
 
