@@ -18,26 +18,26 @@ Under a cap a failure's reason is also printed the moment the test fails (the la
 its report, ``failed now: <test>``): a run still cut before pytest's own summary (a test past
 the cap that does not end in the grace period) keeps why each finished test failed.
 
-Workers. With pytest-xdist installed (the ``test`` extra has it), a run that does not choose for
-itself is spread over the machine's cores, one worker per core up to :data:`MAX_WORKERS`, a
+Workers. With pytest-xdist installed (the ``test`` extra has it), a run that does not choose
+for itself is spread over the machine's cores, one worker per core up to :data:`MAX_WORKERS`, a
 module's tests on one worker (``--dist loadscope``: a module-scoped fixture, such as a dry run
-several tests read or a kernel compiled once for a module's SASS checks, is built once, not once
-per worker; the fast tier took 263 s so on 2 cores, 279 s with tests dealt out one by one). It stays in one
-process where parallel workers would not pay or cannot work: a CUDA device is visible (the GPU
-tests share it and time it; the GPU kit passes its own ``-n``), tests are named by node id,
-``-s``, ``--pdb`` or ``--collect-only``. ``-n N`` (``-n 0``: one process) or
-``FASTSPEC_TEST_WORKERS=N`` chooses. Each worker runs torch on its share of the cores (and its
-child processes too, through ``OMP_NUM_THREADS``), and compiles into caches of its own (TorchInductor,
-Triton, fastspec's NVRTC kernels: the folder each would use, plus ``xdist-gwN``), so no test sees
-another's cache. A test that cannot share the machine (it times a subprocess against a cap,
-say) is marked ``serial``: no other test runs while it does (a lock every worker takes, shared by
-ordinary tests, exclusive for a serial one).
+that several tests read, is built once, not once per worker; the fast tier took 263 s so on 2
+cores, 279 s with its tests dealt out one by one). It stays in one process where workers would
+not pay or cannot work: a CUDA device is visible (the GPU tests share it and time it; the GPU kit
+passes its own ``-n``), tests are named by node id, ``-s``, ``--pdb`` or ``--collect-only``.
+``-n N`` (``-n 0``: one process) or ``FASTSPEC_TEST_WORKERS=N`` chooses. Each worker runs torch
+on its share of the cores (and so do its child processes, through ``OMP_NUM_THREADS``), and
+compiles into caches of its own (TorchInductor, Triton, fastspec's NVRTC kernels: the folder
+each would use, plus ``xdist-gwN``), so that no test sees another's cache. A test that cannot
+share the machine (it fills the cores itself, or times a subprocess against a cap) is marked
+``serial``: no other test runs while it does (a lock every test holds, shared by ordinary
+tests, exclusive for a serial one).
 
-Times. With ``FASTSPEC_TEST_TIMES`` set to a file, each test's seconds (set-up, call and teardown)
-are appended to it as ``seconds<TAB>node id`` lines when the run ends, then the run's own
-seconds (from this file's ``pytest_configure`` on) as ``seconds<TAB><pytest run>``: ``.ci/run``
-sums them into its closing table. Only that run's tests: the variable is taken out of the environment, so the
-pytest runs its tests start do not add theirs.
+Times. With ``FASTSPEC_TEST_TIMES`` set to a file, each test's seconds (set-up, call and
+teardown) are appended to it as ``seconds<TAB>node id`` lines when the run ends, then the run's
+own seconds (from this file's ``pytest_configure`` on) as ``seconds<TAB><pytest run>``:
+``.ci/run`` sums them into its closing table. Only that run's tests: the variable is taken out
+of the environment, so the pytest runs that its tests start do not add theirs.
 """
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def pytest_testnodedown(node, error):
     config._fastspec_slow_deselected = max(n, getattr(config, "_fastspec_slow_deselected", 0))
 
 
-def _configure_worker(config) -> None:
+def _configure_worker() -> None:
     """In an xdist worker: torch on this worker's share of the cores, compile caches of its own."""
     worker = os.environ["PYTEST_XDIST_WORKER"]
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
@@ -209,7 +209,7 @@ def pytest_configure(config):
     # read once; a bad value stops the run before the first test, in one line
     config._fastspec_deadline = _deadline()
     if os.environ.get("PYTEST_XDIST_WORKER") and hasattr(config, "workerinput"):
-        _configure_worker(config)
+        _configure_worker()
     # this run's times only: not the runs its tests start (subprocesses, pytester), nor its workers
     # (the controller records their reports)
     times = os.environ.pop(TIMES_ENV, None)
