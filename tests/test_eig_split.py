@@ -44,7 +44,7 @@ def check(A: torch.Tensor, ours: torch.Tensor) -> None:
 
 def _battery() -> list:
     """Every family at tiny n, non-multiples of 32 and the max n (128), both dtypes; the fast tier
-    takes n <= 33 and one family at n = 128 per dtype (~1.5 s each on 2 cores)."""
+    takes n <= 33 and one family at n = 128 per dtype (~0.1 s each on 2 cores)."""
     return battery_cases([1, 2, 3, 5, 17, 33, 100, 128], lambda family, n, dt: n == 100 or (
         n == 128 and family != ("indefinite" if dt == "fp64" else "gram-activations")), dtypes=list(DTYPES))
 
