@@ -14,16 +14,16 @@ import torch
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.triton  # the GPU kit runs these on CUDA (benchmarks/gpu_run.py)
 
-from _cov_triton import (  # noqa: E402, F401 - two autouse fixtures among them
+from _cov_triton import (  # noqa: F401 - two autouse fixtures among them
     DEVICE,
     _fp32_torch_yardstick,
     _nan_filled_buffers,
     check_against_fp64,
 )
 
-from fastspec.covariance import triton_configs as tcfg  # noqa: E402
-from fastspec.covariance import triton_update as tu  # noqa: E402
-from fastspec.covariance.triton_update import covariance_partials_triton as kernel  # noqa: E402
+from fastspec.covariance import triton_configs as tcfg
+from fastspec.covariance import triton_update as tu
+from fastspec.covariance.triton_update import covariance_partials_triton as kernel
 
 ALL_CANDIDATES = [c for cs in tcfg.CANDIDATES.values() for c in cs]
 

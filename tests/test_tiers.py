@@ -1,6 +1,7 @@
 """The test tiers and the GPU marker of the repository's conftest.py (README: which command runs which)."""
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import types
@@ -211,7 +212,7 @@ def test_workers_share_the_cores_keep_their_caches_and_serial_tests_run_alone(wo
         assert not overlapping, (name, overlapping)
     # the ordinary ones did run side by side (else the check above proves nothing)
     ordinary = sorted((g["start"], g["end"]) for k, g in got.items() if k.startswith("ordinary"))
-    assert any(b[0] < a[1] for a, b in zip(ordinary, ordinary[1:]))
+    assert any(b[0] < a[1] for a, b in itertools.pairwise(ordinary))
     _times(w.times, SAMPLE_RAN, wall_at_least=5 * 0.3)  # 6 x 0.3 s side by side, 2 alone
 
 
