@@ -84,7 +84,7 @@ def _workers(config) -> int:
             raise pytest.UsageError(f"{WORKERS_ENV}: expected a number of workers (0: one process), got {value!r}")
         return int(value)
     if (torch.cuda.is_available() or config.getoption("usepdb", False) or config.getoption("collectonly", False)
-            or config.getoption("capture", "fd") == "no" or any("::" in str(a) for a in config.args)):
+            or config.getoption("capture", "fd") == "no" or _names_tests(config)):
         return 0
     n = min(_cores(), MAX_WORKERS)
     return n if n > 1 else 0
@@ -131,11 +131,12 @@ def _configure_worker() -> None:
     threads = max(1, _cores() // count)
     torch.set_num_threads(threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # its child processes' share too
-    home_cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    from fastspec.eig import nvrtc
+
     defaults = {  # the folder each library uses when its variable is unset
         "TORCHINDUCTOR_CACHE_DIR": os.path.join(tempfile.gettempdir(), f"torchinductor_{_user()}"),
         "TRITON_CACHE_DIR": os.path.join(os.environ.get("TRITON_HOME") or os.path.expanduser("~"), ".triton", "cache"),
-        "FASTSPEC_CACHE": os.path.join(home_cache, "fastspec"),
+        "FASTSPEC_CACHE": str(nvrtc.cache_dir().parent),  # nvrtc's folder is $FASTSPEC_CACHE/eig
     }
     for var in WORKER_CACHES:
         os.environ[var] = os.path.join(os.environ.get(var) or defaults[var], f"xdist-{worker}")
@@ -145,8 +146,8 @@ def _user() -> str:
     import getpass
     try:
         return getpass.getuser()
-    except Exception:  # noqa: BLE001 - no user name (a container's uid): what inductor falls back to
-        return "unknown"
+    except Exception:  # noqa: BLE001 - no user name (a container's uid): any fixed name serves, the
+        return "unknown"  # folder below it is the worker's own (inductor's own rule needs its ~1 s import)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -179,10 +180,14 @@ def _lock_held(path: str, exclusive: bool):
             fcntl.flock(turnstile, fcntl.LOCK_UN)
 
 
+def _names_tests(config) -> bool:
+    """The run names its tests by node id (``file.py::test``)."""
+    return any("::" in str(a) for a in config.args)
+
+
 def _tier_is_chosen_by_user(config) -> bool:
     """The user picked tests by node id or selected on the ``slow`` marker: run what they named."""
-    return (any("::" in str(a) for a in config.args)
-            or "slow" in (config.getoption("markexpr", "") or ""))
+    return _names_tests(config) or "slow" in (config.getoption("markexpr", "") or "")
 
 
 def _deadline() -> float | None:

@@ -19,8 +19,8 @@ void host_eigvalsh_f64(const double* in, double* out, int64_t batch, int n, int6
 // concurrent (two OS threads at once), 1 one rank at a time in rank order, 2 in reverse rank
 // order. drop: the index of the FS_SYNC barrier every rank leaves out (-1: none). Returns the source line of every FS_SYNC barrier passed, in
 // order; with record = kRecordPhases instead every FS_PHASE mark rank 0 made, barriers included (the
-// sequence the kernel's profiling build stamps). Slow next to the one-thread twin: ~1,000 rank switches
-// per barrier pass of a 256-rank team.
+// sequence the kernel's profiling build stamps). Slow next to the one-thread twin: a 256-rank team
+// switches ranks 256 times at each of its ~1,000 barriers per 128 x 128 matrix.
 constexpr int kRecordSites = 0, kRecordPhases = 1;
 std::vector<int> team_eigvalsh_f32(const float* in, float* out, int64_t batch, int n, int64_t sb, int64_t sr,
                                    int64_t sc, int64_t osb, int algo, int schedule, int64_t drop, int record);
