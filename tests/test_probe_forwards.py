@@ -128,6 +128,33 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+def test_compiled_streaming_of_only_evaluation_forwards_warns_with_the_eager_reason(_fresh_dynamo):
+    """A compiled model whose forwards all run under no_grad: the warning gives the reason the
+    eager path gives (no training forward), not the attention-interface hint; a compiled
+    training forward seen in the same window silences it, and the hint costs no graph break."""
+    model = build("llama")
+    probe = fastspec.Probe(model, ffn=False, emit_every=1)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with probe.streaming():
+        with torch.no_grad():
+            compiled(**batch())
+        with pytest.warns(UserWarning, match=r"the compiled forward\(s\) it saw did not train .*forwards='all'"):
+            probe.step(0)
+    assert not _n(_values(probe.records()))
+    model.train()
+    probe = fastspec.Probe(model, ffn=False, emit_every=1)
+    with probe.streaming():
+        with torch.no_grad():
+            compiled(**batch())
+        compiled(**batch())  # trains: the keys are captured, nothing to warn about
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            probe.step(0)
+    assert _n(_values(probe.records()))
+
+
 def _compiled_loop(evaluate: bool, steps: int = 4) -> dict:
     torch._dynamo.reset()
     model = build("llama").train()

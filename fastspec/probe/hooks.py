@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
+import itertools
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+from .._trace import assume_constant_result
 from . import hf_attention
 from .families import AttentionInputs, Family, ffn_modules, layer_of, matches, plain_name
 from .sites import ModuleSite
@@ -180,6 +183,22 @@ def check_mask(mask, tokens: Tensor | None, cached: bool) -> None:
                      f"input_ids/inputs_embeds{', with a KV cache' if cached else ''}), got {list(mask.shape)}")
 
 
+_SCOPES: "weakref.WeakValueDictionary[str, ForwardScope]" = weakref.WeakValueDictionary()
+_scope_keys = itertools.count()
+
+
+@assume_constant_result
+def _traced_forward(key: str, training: bool) -> bool:
+    """Note that a compiled graph of the probed model was traced for a forward that trains (or
+    not). Runs at trace time only (dynamo calls it once and keeps the result as a constant), so
+    the graph's later runs pay nothing and no guard is added; an attribute set in the hook itself
+    would be replayed, and guarded on, at every call."""
+    scope = _SCOPES.get(key)
+    if scope is not None:
+        scope.traced[training] = True
+    return True
+
+
 class ForwardScope:
     """Depth of the probed model's own ``forward`` and the ``attention_mask`` it was called with."""
 
@@ -196,6 +215,11 @@ class ForwardScope:
         # (the probe leaves its time out of the step time); never inside a compiled graph
         self.on_other: Callable[[bool], None] | None = None
         self.trained = 0  # eager training forwards seen (a warning's hint: were there any?)
+        # compiled forwards: whether a graph was traced for a forward that does not train
+        # (traced[False]) or one that trains (traced[True]); counted at trace time only
+        self.traced = {False: False, True: False}
+        self.key = f"scope{next(_scope_keys)}"  # a str: dynamo passes it to _traced_forward as a constant
+        _SCOPES[self.key] = self
 
     @property
     def active(self) -> bool:
@@ -218,6 +242,7 @@ class ForwardScope:
                 # work here (a shape check is some), so a compiled model's top-level hooks add no
                 # graph of their own
                 self.mask, self._call = (mask if isinstance(mask, Tensor) else None), (tokens, cached)
+                _traced_forward(self.key, self.training)
             else:  # eager: checked and converted once per forward, not once per capture
                 check_mask(mask, tokens, cached)
                 self.mask = as_bool_mask(mask)

@@ -410,8 +410,9 @@ class Probe:
             if site in ran:  # its hooks ran: the mask, not the model, left it without rows
                 hint = ("its module ran, but the attention_mask kept none of its token rows (the mask's last "
                         "T columns cover a site's [B, T] rows)")
-            elif other_forwards:  # streaming saw forwards, none of them training ones
-                hint = (f"the {other_forwards} forward(s) it saw did not train (model.eval(), torch.no_grad() or "
+            elif other_forwards:  # streaming saw forwards, none of them training ones (-1: compiled ones)
+                seen = "compiled" if other_forwards < 0 else str(other_forwards)
+                hint = (f"the {seen} forward(s) it saw did not train (model.eval(), torch.no_grad() or "
                         f"torch.inference_mode()), and streaming captures training forwards only; call "
                         f"model.train() for training, or pass forwards='all' to stream every forward")
             warnings.warn(f"fastspec.Probe: site {site!r} captured no rows {when}: {hint}.", stacklevel=stacklevel)
@@ -542,7 +543,10 @@ class Probe:
             extra = () if overhead is None else ((("probe", None, None, "overhead_fraction"), overhead),)
             if attached:
                 # forwards seen, none of them training ones: the likely reason a site has no rows
-                skipped = 0 if self._router.scope.trained else self._clock.other_forwards
+                scope = self._router.scope
+                # eager forwards are counted; a compiled one is known only from its trace (-1)
+                skipped = (0 if scope.trained or scope.traced[True]
+                           else self._clock.other_forwards or -int(scope.traced[False]))
                 self._warn_missing(self._totals, f"by step {step}", stacklevel=3, once=self._warned_sites,
                                    other_forwards=skipped)
             self._history.add(self._emitter.records(self._totals, step, tokens_seen, "stream", extra=extra))
