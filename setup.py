@@ -5,9 +5,11 @@ Package metadata lives in pyproject.toml. This file adds what it cannot say: the
 ``csrc/`` (the CUDA and C++ sources, outside the ``fastspec/`` tree) mapped onto
 ``fastspec._csrc`` so the wheel ships them and NVRTC finds them at run time (an editable install
 maps the package onto the checkout's folder); and the extension: the host twin of
-the CUDA eigensolver and its team emulation (eig_host.cpp, bindings.cpp), plain C++ built with
-the Python's C++ compiler and pybind11. No CUDA toolkit is involved: the CUDA kernel
-(eig_kernel.cu) ships as source and is compiled at first use by NVRTC (fastspec/eig/nvrtc.py).
+the CUDA eigensolver and its team emulation (eig_host.cpp, bindings.cpp), and for tests the host
+twin of the DMMA Gram kernel pair (cov_gram_host.cpp: cov_gram.cu's own code on a software GPU),
+plain C++ built with the Python's C++ compiler and pybind11. No CUDA toolkit is involved: the CUDA
+kernels (eig_kernel.cu, cov_gram.cu) ship as source and are compiled at first use by NVRTC
+(fastspec/eig/nvrtc.py).
 Both compile with the limits of fastspec/eig/limits.py as macros (``FS_MAX_N``, ...), the one place
 they are written; this file reads them from there without importing the package (no torch here).
 
@@ -52,11 +54,12 @@ def _extensions() -> list[Extension]:
     macros = runpy.run_path(str(LIMITS))["MACROS"]
     return [Extension(
         "fastspec.eig._host",
-        sources=[str(CSRC / "bindings.cpp"), str(CSRC / "eig_host.cpp")],
+        sources=[str(CSRC / "bindings.cpp"), str(CSRC / "eig_host.cpp"), str(CSRC / "cov_gram_host.cpp")],
         include_dirs=[pybind11.get_include(), str(CSRC)],
         define_macros=[(name, str(value)) for name, value in macros.items()],
-        depends=[*(str(p) for p in sorted(CSRC.glob("*.h"))), str(LIMITS)],
-        extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden", "-pthread"],
+        depends=[*(str(p) for p in sorted(CSRC.glob("*.h"))), str(CSRC / "cov_gram.cu"), str(LIMITS)],
+        # -Wno-unknown-pragmas: cov_gram.cu's `#pragma unroll` (nvcc's), compiled by cov_gram_host.cpp
+        extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden", "-pthread", "-Wno-unknown-pragmas"],
         extra_link_args=["-pthread"],  # the concurrent schedule's two std::threads in the test-only team emulation (eig_host.cpp)
         language="c++",
     )]

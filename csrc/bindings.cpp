@@ -1,15 +1,20 @@
 // bindings.cpp — pybind11 module fastspec.eig._host: the host twin of the CUDA eigensolver and its
-// team emulation. Raw pointers in, no torch, no numpy types: pointers are integers
-// (tensor.data_ptr()), strides are in elements. The CUDA kernel itself is not in this module: it
-// is compiled at run time by NVRTC (fastspec/eig/nvrtc.py). The module reports the limits it was
-// compiled with (MAX_N, ...: the macros of fastspec/eig/limits.py), so Python can tell a stale build.
+// team emulation, and (tests only) the host twin of the DMMA Gram kernel pair (cov_gram_host.cpp).
+// Raw pointers in, no torch, no numpy types: pointers are integers (tensor.data_ptr()), strides are
+// in elements. The CUDA kernels themselves are not in this module: they are compiled at run time by
+// NVRTC (fastspec/eig/nvrtc.py). The module reports the limits it was compiled with (MAX_N, ...:
+// the macros of fastspec/eig/limits.py), so Python can tell a stale build.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <array>
 #include <cstdint>
+#include <map>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
+#include "cov_gram_host.h"
 #include "eig_algos.h"
 #include "eig_host.h"
 
@@ -47,6 +52,39 @@ std::vector<int> team_entry(uintptr_t in, uintptr_t out, int64_t batch, int n, i
   py::gil_scoped_release release;
   return F(reinterpret_cast<const Real*>(in), reinterpret_cast<Real*>(out), batch, n, sb, sr, sc, osb, algo, schedule,
            drop, phases ? fastspec::kRecordPhases : fastspec::kRecordSites);
+}
+
+const char* const kCovMacros[] = {"FS_COV_D", "FS_COV_IN", "FS_COV_ROWS", "FS_COV_THREADS", "FS_COV_MIN_BLOCKS"};
+
+py::dict cov_gram_stats(const fastspec::CovGramStats& s) {
+  return py::dict(py::arg("blocks") = s.blocks, py::arg("syncthreads") = s.syncthreads,
+                  py::arg("all_sync") = s.all_sync, py::arg("mma") = s.mma, py::arg("switches") = s.switches);
+}
+
+// cov_gram.cu's entry `entry`, compiled with `defines`, on the software GPU (cov_gram_host.h)
+py::dict cov_gram_launch(const std::string& entry, const std::map<std::string, int64_t>& defines,
+                         const std::array<int64_t, 3>& grid, const std::array<int64_t, 3>& block, int64_t smem,
+                         const std::vector<int64_t>& args, int order) {
+  int e;
+  if (entry == "fastspec_cov_gram") {
+    e = fastspec::kCovGramEntry;
+  } else if (entry == "fastspec_cov_gram_reduce") {
+    e = fastspec::kCovGramReduceEntry;
+  } else {
+    throw std::invalid_argument("entry: fastspec_cov_gram or fastspec_cov_gram_reduce, got " + entry);
+  }
+  int64_t v[5];
+  for (int i = 0; i < 5; ++i) {
+    const auto it = defines.find(kCovMacros[i]);
+    if (it == defines.end()) throw std::invalid_argument(std::string("defines: ") + kCovMacros[i] + " missing");
+    v[i] = it->second;
+  }
+  if (defines.size() != 5) throw std::invalid_argument("defines: only the five FS_COV_* macros of cov_gram.cu");
+  const fastspec::CovGramConfig config{int(v[0]), int(v[1]), int(v[2]), int(v[3]), int(v[4])};
+  py::gil_scoped_release release;
+  const fastspec::CovGramStats stats = fastspec::cov_gram_launch(e, config, grid.data(), block.data(), smem, args, order);
+  py::gil_scoped_acquire acquire;
+  return cov_gram_stats(stats);
 }
 
 }  // namespace
@@ -95,4 +133,25 @@ PYBIND11_MODULE(_host, m) {
   m.def("block_work_elems", [](int n, bool matrix_here) { return fastspec::block_work_elems(n, matrix_here); },
         py::arg("n"), py::arg("matrix_here"),
         "reals of one CUDA block's work arrays (eig_core.h); tests check the launcher's copy of the formula");
+
+  // the host twin of the DMMA Gram kernel pair (tests only)
+  m.attr("COV_GRAM_TWIN") = fastspec::kCovGramTwin;
+  py::list configs;
+  for (const fastspec::CovGramConfig& c : fastspec::cov_gram_configs()) {
+    const int values[5] = {c.d, c.in, c.rows, c.threads, c.min_blocks};
+    py::dict d;
+    for (int i = 0; i < 5; ++i) d[kCovMacros[i]] = values[i];
+    configs.append(d);
+  }
+  m.attr("COV_GRAM_CONFIGS") = configs;
+  m.def("cov_gram_launch", &cov_gram_launch, py::arg("entry"), py::arg("defines"), py::arg("grid"), py::arg("block"),
+        py::arg("smem"), py::arg("args"), py::arg("order") = 0,
+        "(entry, defines, grid, block, smem, args, order=0) -> {blocks, syncthreads, all_sync, mma, switches}: "
+        "tests only; csrc/cov_gram.cu's entry `entry` (fastspec_cov_gram or fastspec_cov_gram_reduce) as compiled "
+        "with `defines` ({FS_COV_D, FS_COV_IN, FS_COV_ROWS, FS_COV_THREADS, FS_COV_MIN_BLOCKS}: one of "
+        "COV_GRAM_CONFIGS), launched on the host twin's software GPU (cov_gram_host.cpp: one fiber per CUDA thread, "
+        "blocks in order, on this OS thread) with `grid`, `block`, `smem` bytes of dynamic shared memory and the "
+        "kernel's parameters `args` in order (pointers as integers, host memory: what gram_cuda.launch_args / "
+        "reduce_args pack). order 0: a block's threads in thread order, 1 reversed. Returns what the software "
+        "GPU counted (collectives resolved, fiber switches). Without <ucontext.h>: RuntimeError.");
 }

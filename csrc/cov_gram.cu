@@ -1,7 +1,9 @@
 // cov_gram.cu — exact float64 Gram matrices of many heads in one pass over the rows, on the
-// float64 tensor cores (DMMA). Device code only: compiled at first use by NVRTC
+// float64 tensor cores (DMMA). Device code: compiled at first use by NVRTC
 // (fastspec/eig/nvrtc.py), one cubin per (D, input dtype, arch), launched by
-// fastspec/covariance/gram_cuda.py, which sets these macros:
+// fastspec/covariance/gram_cuda.py; also, for tests, by the host C++ compiler into the host twin
+// (cov_gram_host.cpp: this code on a software GPU; FS_COV_HOST swaps the two asm statements for
+// their software equivalents, nothing else). The launcher sets these macros:
 //   FS_COV_D          features per head D: 32, 64, 96 or 128
 //   FS_COV_IN         input dtype: 0 bfloat16, 1 float16, 2 float32, 3 float64
 //   FS_COV_THREADS    block size: 256 (the warp roles below need exactly 8 warps)
@@ -47,9 +49,13 @@
 //     tile and lane (68 registers at D = 128).
 //   * DMMA fragments (PTX ISA 9.7.14.5.2, mma.m8n8k4 with .f64; CUTLASS's SM80_8x8x4_F64 layouts
 //     agree): lane l holds A[l >> 2][l & 3] and B[l & 3][l >> 2] (one double each) and
-//     C[l >> 2][2 (l & 3) + v], v = 0, 1 (FS_COV_FRAG_* and FS_COV_ACC_* below;
-//     tests/_cov_gram_emulation.py models the PTX semantics and takes the kernel's side of the
-//     mapping from these macros). A fragment load: lanes 0-15 read rows r..r+3, columns c..c+3
+//     C[l >> 2][2 (l & 3) + v], v = 0, 1 (FS_COV_FRAG_* and FS_COV_ACC_* below). Tested without a
+//     GPU two ways that check each other bit for bit (tests/test_cov_gram_cuda.py):
+//     tests/_cov_gram_emulation.py, a numpy model of the PTX semantics that takes the kernel's
+//     side of the mapping from these macros and re-derives the tiles; and the host twin
+//     (cov_gram_host.cpp), this file's own code (addresses, operand order, pair_slot, put, the
+//     fetch/advance carries) with a software mma.m8n8k4 per the PTX layout, one fiber per
+//     thread. A fragment load: lanes 0-15 read rows r..r+3, columns c..c+3
 //     of the padded tile, i.e. doubles k (D + 4) + m: 16 distinct 8-byte bank pairs (2 wavefronts
 //     per warp, no conflict).
 //   * registers (NVRTC 13.5, sm_90 / sm_80; tests/test_cov_gram_cuda.py checks every D and dtype):
@@ -242,7 +248,11 @@ __device__ __forceinline__ double widen(Raw v) {
   return (double)__uint_as_float((unsigned)v << 16);
 #elif FS_COV_IN == 1
   float f;
+#if defined(FS_COV_HOST)  // the host twin (cov_gram_host.cpp): the same exact conversion in software
+  f = ::fastspec_twin::half_to_float(v);
+#else
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+#endif
   return (double)f;
 #else
   return (double)v;
@@ -251,9 +261,13 @@ __device__ __forceinline__ double widen(Raw v) {
 
 // c += A B on one 8x8 tile: mma.m8n8k4, float64 in and out (fragments: see the header).
 __device__ __forceinline__ void dmma(double (&c)[2], double a, double b) {
+#if defined(FS_COV_HOST)  // the host twin (cov_gram_host.cpp): its software mma.m8n8k4 .f64, a warp collective
+  ::fastspec_twin::mma_m8n8k4_f64(c, a, b);
+#else
   asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0, %1}, {%2}, {%3}, {%0, %1};"
                : "+d"(c[0]), "+d"(c[1])
                : "d"(a), "d"(b));
+#endif
 }
 
 }  // namespace fastspec_cov

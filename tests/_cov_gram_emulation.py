@@ -20,6 +20,9 @@ Two sides of each ``mma.m8n8k4 .f64`` are kept apart on purpose:
   (``FS_COV_ACC_M``, ``FS_COV_ACC_N``), and the roles.
 
 A kernel whose lanes load or store the wrong element therefore gives a wrong Gram here too.
+What the model cannot see (the kernel's own address arithmetic, operand order, accumulator slots,
+row carries) the host twin runs: ``csrc/cov_gram_host.cpp``, the kernel's code on a software GPU;
+``tests/test_cov_gram_cuda.py`` checks the two against each other bit for bit.
 """
 from __future__ import annotations
 

@@ -8,14 +8,24 @@ Without a GPU:
   4-row step a warp's ``D/32``-tile blocks: its DMMAs and fragment loads), no spills, no local
   memory, and registers within the launch bounds; the PTX entry points declare exactly the
   parameters the launcher packs;
-* the arithmetic: ``tests/_cov_gram_emulation.py`` replays the kernel's work (row split, tile
-  staging, validity rule, warp roles, DMMA fragments lane by lane, packed epilogue, summation
-  order, split reduction), driven by the kernel's own macros and the launcher's plan, against the
-  float64 reference on adversarial inputs (NaN/±Inf rows, masks, strided and transposed views,
-  large means, empty updates, row_step > 1, rank-deficient heads, every D);
+* the arithmetic, two ways that check each other bit for bit:
+
+  - the model: ``tests/_cov_gram_emulation.py`` replays the kernel's work (row split, tile
+    staging, validity rule, warp roles, DMMA fragments lane by lane, packed epilogue, summation
+    order, split reduction) in numpy, driven by the kernel's own macros and the launcher's plan,
+    against the float64 reference on adversarial inputs (NaN/±Inf rows, masks, strided and
+    transposed views, large means, empty updates, row_step > 1, rank-deficient heads, every D);
+  - the host twin: the kernels' own code (``csrc/cov_gram.cu`` compiled by the C++ compiler into
+    ``fastspec.eig._host``, ``csrc/cov_gram_host.cpp``) on a software GPU, one fiber per CUDA
+    thread, warp collectives and a software ``mma.m8n8k4 .f64`` per the PTX ISA's fragments: its
+    address arithmetic, operand order, ``pair_slot``/``put`` and ``fetch``/``advance`` carries
+    run, on every D and dtype, against the reference and bit for bit against the model (a swapped
+    ``dmma`` operand pair or a transposed fragment fails here; the model alone cannot see them);
+    skipped, with the reason, where the extension lacks it (a stale build, no ``<ucontext.h>``);
 * the launcher end to end: :func:`gram_cuda.partials_dmma` on CPU tensors with the driver
-  replaced by a stand-in whose "kernels" run that emulation on the raw pointers and strides it
-  was given, so the launch arguments are checked for what they do, not only for their widths.
+  replaced by a stand-in whose "kernels" run the host twin (or the model) on the raw pointers,
+  strides, grid and block it was given, so the launch arguments are checked for what they do,
+  not only for their widths.
 
 With a GPU (``gpu`` marker): the kernel against the float64 reference and the emulation, three
 launches bit for bit equal, and a CUDA-graph replay.
@@ -37,6 +47,24 @@ from fastspec.covariance.reference import covariance_partials_reference
 from fastspec.eig import cuda, nvrtc
 
 GRAM, REDUCE = gram_cuda.PROGRAM.entries
+
+
+def _twin_missing() -> str:
+    """Why the host twin of the kernels (``fastspec.eig._host.cov_gram_launch``) cannot run here, or ""."""
+    try:
+        from fastspec.eig import _host
+    except ImportError as exc:
+        return f"the Gram kernel's host twin is in the extension fastspec.eig._host, not importable ({exc})"
+    if not hasattr(_host, "cov_gram_launch"):
+        return ("fastspec.eig._host has no Gram kernel twin (built before csrc/cov_gram_host.cpp): rebuild it "
+                "(pip install -e .)")
+    if not _host.COV_GRAM_TWIN:
+        return "the Gram kernel's host twin needs <ucontext.h>: not built on this platform"
+    return ""
+
+
+TWIN_MISSING = _twin_missing()
+needs_twin = pytest.mark.skipif(bool(TWIN_MISSING), reason=TWIN_MISSING)
 CUOBJDUMP = find_tool("cuobjdump")
 needs_nvrtc = pytest.mark.skipif(bool(nvrtc.missing()), reason=f"needs NVRTC: {nvrtc.missing()}")
 needs_sass = [needs_nvrtc, pytest.mark.skipif(CUOBJDUMP is None, reason="needs cuobjdump (CUDA toolkit or triton)")]
@@ -264,12 +292,16 @@ def test_emulation_catches_a_wrong_fragment_mapping():
 
 class FakeDevice:
     """``cuda.load_program``, ``set_max_smem`` and ``launch_kernel`` for :func:`partials_dmma` on
-    CPU tensors: the two "kernels" read the memory the launch arguments point at (pointers,
-    element strides, the macros the image was built with) and write their outputs there, through
-    the emulation."""
+    CPU tensors of an sm_90 GPU with ``sms`` SMs: the two "kernels" read the memory the launch
+    arguments point at (pointers, element strides, the macros the image was built with) and write
+    their outputs there. ``kernels="twin"``: the kernels' own code on the host twin's software GPU
+    (the launch's grid, block, dynamic shared memory and parameter list as packed; threads of a
+    block in thread order, or reversed with ``order=1``; what it counted in ``stats``);
+    ``"model"``: the numpy emulation, reading the same arguments."""
 
-    def __init__(self):
-        self.loaded, self.smem, self.carveout, self.launches = [], [], [], []
+    def __init__(self, kernels: str = "model", sms: int = 132, order: int = 0):
+        self.kernels, self.sms, self.order = kernels, sms, order
+        self.loaded, self.smem, self.carveout, self.launches, self.stats = [], [], [], [], []
 
     def load_program(self, program, defines, tag, device):
         assert program is gram_cuda.PROGRAM
@@ -287,9 +319,15 @@ class FakeDevice:
         D = m["FS_COV_D"]
         if name == GRAM:
             assert block == (m["FS_COV_THREADS"], 1, 1) and smem == 2 * m["FS_COV_ROWS"] * (D + gram_cuda.PAD) * 8
-            self._gram(m, grid, *vals)
         else:
             assert block == (256, 1, 1) and grid[0] * 256 >= D * (D + 1) // 2 + D + 2 and smem == 0
+        if self.kernels == "twin":
+            from fastspec.eig import _host
+
+            self.stats.append((name, _host.cov_gram_launch(name, m, grid, block, smem, vals, self.order)))
+        elif name == GRAM:
+            self._gram(m, grid, *vals)
+        else:
             self._reduce(D, grid, *vals)
 
     @staticmethod
@@ -335,16 +373,15 @@ class FakeDevice:
                 self._array(ptr, ctype, value.size)[:] = value.ravel()
 
 
-@pytest.fixture
-def fake(monkeypatch):
-    """partials_dmma on CPU tensors: an sm_90 GPU of 132 SMs that runs the emulation."""
-    dev = FakeDevice()
+def install_fake(monkeypatch, kernels: str = "model") -> FakeDevice:
+    """partials_dmma on CPU tensors: an sm_90 GPU of 132 SMs (``.sms``) that runs ``kernels``."""
+    dev = FakeDevice(kernels)
     capturing = [False]
     for name in ("load_program", "set_max_smem", "launch_kernel"):
         monkeypatch.setattr(cuda, name, getattr(dev, name))
     monkeypatch.setattr(cuda, "device_index", lambda device: 0)
     monkeypatch.setattr(gram_cuda, "status", lambda device, D=None, dtype=None: gram_cuda.supports(D, dtype))
-    monkeypatch.setattr(gram_cuda, "_arch", lambda index: (90, 132))
+    monkeypatch.setattr(gram_cuda, "_arch", lambda index: (90, dev.sms))
     monkeypatch.setattr(gram_cuda, "_prefer_shared_memory", lambda kernel, index: dev.carveout.append(kernel[0]))
     monkeypatch.setattr(gram_cuda, "_configured", set())
     monkeypatch.setattr(blocked, "_local", threading.local())  # a fresh shared workspace per test
@@ -353,10 +390,25 @@ def fake(monkeypatch):
     return dev
 
 
+@pytest.fixture(params=[pytest.param("twin", marks=needs_twin), "model"])
+def fake(monkeypatch, request):
+    """The stand-in GPU running the kernels' host twin, then (a second run) the numpy model."""
+    return install_fake(monkeypatch, request.param)
+
+
+@pytest.fixture
+def twin(monkeypatch):
+    """The stand-in GPU running the kernels' host twin (skipped where the extension lacks it)."""
+    if TWIN_MISSING:
+        pytest.skip(TWIN_MISSING)
+    return install_fake(monkeypatch, "twin")
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_launcher_arguments_do_what_the_kernel_expects(fake, dtype):
     """The pointers, strides, Tk, row_step and split the launcher passes, read back by the stand-in
-    kernels, give the reference's partials, bit for bit the emulation's (the same arithmetic)."""
+    kernels (the kernels' own code on the host twin, or the model), give the reference's partials,
+    bit for bit the model's (the same arithmetic)."""
     base, mask = adversarial(2, 30, 3, 96, DTYPES[dtype], seed=7)
     x = base.transpose(1, 2).contiguous().transpose(1, 2)  # [B, T, S, D] over [B, S, T, D] memory
     for m, row_step in ((mask, 2), (None, 1), (mask.to(torch.uint8), 3)):
@@ -432,6 +484,187 @@ def test_launcher_with_no_heads_or_no_rows(fake):
     assert out.G.shape == (0, 32, 32) and not fake.launches  # nothing to launch
     out = gram_cuda.partials_dmma(torch.zeros(0, 3, 2, 32, dtype=torch.float16))
     assert (out.n == 0).all() and (out.G == 0).all() and len(fake.launches) == 2
+
+
+# ------------------------------------------------------------- the host twin: the kernels' own code
+
+
+def run_twin(dev: FakeDevice, x: torch.Tensor, mask, row_step: int, sms: int, order: int = 0):
+    """:func:`partials_dmma` through the launcher onto the host twin, on a GPU of ``sms`` SMs:
+    ``(G, s, c, n, rejected)`` as numpy arrays; ``dev.stats`` holds what the two launches counted."""
+    dev.sms, dev.order = sms, order
+    dev.stats.clear()
+    out = gram_cuda.partials_dmma(x, mask, row_step)
+    return tuple(t.numpy() for t in (out.G, out.s, out.c, out.n, out.rejected))
+
+
+def same_bits(got, want) -> bool:
+    return all(np.asarray(a).dtype == np.asarray(b).dtype and np.array_equal(a, b) for a, b in zip(got, want))
+
+
+def counted(N: int, S: int, D: int, dtype, sms: int) -> dict:
+    """What the Gram launch of ``N`` rows must do, per the kernel's structure (header): a block runs a
+    barrier per staged tile and two at the end, a vote per staged row (one per warp for its
+    ``ROWS / 8``), and per 4-row step one DMMA per 8x8 tile of the lower triangle, spread over
+    the warps (136 at D = 128)."""
+    p = gram_cuda.plan(N, S, D, dtype, sms)
+    tiles = [-(-max(0, min(p.rows_per_split, N - k * p.rows_per_split)) // p.rows) for k in range(p.split)]
+    nt = D // 8
+    return {"blocks": p.split * S, "syncthreads": S * sum(t + 2 for t in tiles), "all_sync": S * sum(tiles) * p.rows,
+            "mma": S * sum(tiles) * (p.rows // 4) * nt * (nt + 1) // 2}
+
+
+@needs_twin
+def test_twin_is_compiled_with_the_launchers_macros():
+    """One twin per (D, dtype) of the envelope, each built with the macros gram_cuda.defines() gives
+    the NVRTC build (a stale extension shows here)."""
+    from fastspec.eig import _host
+
+    want = [{k: int(v) for k, v in (d[2:].split("=") for d in gram_cuda.defines(D, dt))}
+            for D in gram_cuda.ENVELOPE_D for dt in gram_cuda.DTYPES]
+    assert sorted(_host.COV_GRAM_CONFIGS, key=str) == sorted(want, key=str), "rebuild the extension (pip install -e .)"
+
+
+@pytest.mark.parametrize("D", gram_cuda.ENVELOPE_D)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_twin_matches_the_reference_and_the_model_bit_for_bit(twin, dtype, D):
+    """The kernels' own code, launched as the launcher packs it: NaN/±Inf rows, bool and uint8
+    masks, row_step 1 and 2, tails (N not a multiple of the tile rows), the splits of 132 SMs
+    (many splits of one tile) and 1 SM (one split of many tiles, the last partial); against the
+    float64 reference, bit for bit the model's, and doing the work the kernel's structure says
+    (blocks, barriers, votes, DMMAs)."""
+    twin_cases(twin, 2, 37, 2, D, dtype, (("bool", 2, 132), ("uint8", 1, 1)), seed=D + 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("D", gram_cuda.ENVELOPE_D)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
+def test_twin_on_longer_updates(twin, dtype, D):
+    """More rows: without a mask, row_step 3, the splits of 7 and 132 SMs (a few tiles per block)."""
+    twin_cases(twin, 3, 100, 3, D, dtype, ((None, 3, 7), ("bool", 1, 132), ("uint8", 2, 7)), seed=D + 2)
+
+
+def twin_cases(twin: FakeDevice, B: int, T: int, S: int, D: int, dtype: str, cases, seed: int) -> None:
+    """:func:`adversarial` ``[B, T, S, D]`` through the twin for each ``(mask: None, "bool" or
+    "uint8", row_step, sms)``: the reference, the model's bits, the work counted."""
+    x, mask = adversarial(B, T, S, D, DTYPES[dtype], seed=seed)
+    for kind, row_step, sms in cases:
+        m = None if kind is None else mask.to(getattr(torch, kind))
+        got = run_twin(twin, x, m, row_step, sms)
+        check(got, x, m, row_step)
+        assert same_bits(got, emu.emulate(x, m, row_step, sms)), (m is None, row_step, sms)
+        (gram, done), (reduce, _) = twin.stats
+        assert (gram, reduce) == (GRAM, REDUCE)
+        assert {k: done[k] for k in ("blocks", "syncthreads", "all_sync", "mma")} == counted(
+            B * -(-T // row_step), S, D, dtype, sms)
+
+
+@pytest.mark.parametrize("view", ["bhtd", "d_strided", "sliced"])
+def test_twin_on_strided_views(twin, view):
+    """The views of :func:`test_emulated_kernel_on_strided_views`: the kernel's stepping of rows
+    and columns through any element strides, with the sequence carries of row_step 3."""
+    g = torch.Generator().manual_seed(2)
+
+    def fp16(*shape):
+        return torch.randn(*shape, generator=g).to(torch.float16)
+
+    x = {"bhtd": lambda: fp16(2, 3, 37, 64).transpose(1, 2),
+         "d_strided": lambda: fp16(2, 37, 64, 3).transpose(2, 3),
+         "sliced": lambda: fp16(2, 40, 5, 160)[:, 2:39, 1:4, 16:80]}[view]()
+    x[1, 5, 2, 7] = float("-inf")
+    mask = torch.rand(2, 37, generator=g) > 0.3
+    assert not x.is_contiguous()
+    for row_step, sms in ((1, 7), (3, 132)):
+        got = run_twin(twin, x, mask, row_step, sms)
+        check(got, x, mask, row_step)
+        assert same_bits(got, emu.emulate(x, mask, row_step, sms))
+
+
+@pytest.mark.parametrize("D", gram_cuda.ENVELOPE_D)
+def test_twin_on_integer_heads_exactly(twin, D):
+    """Heads of small integers (rank 3 plus a per-column offset, exact in bf16): every sum is exact,
+    so G, s and n are the reference's exactly, whatever the order; each of G's off-diagonal tiles
+    differs from its transpose (a transposed tile or a swapped operand pair cannot pass)."""
+    g = torch.Generator().manual_seed(D)
+    B, T, S = 2, 45, 2
+    Z = torch.randint(-3, 4, (B, T, S, 3), generator=g).double()
+    W = torch.randint(-3, 4, (S, 3, D), generator=g).double()
+    x = torch.einsum("btsr,srd->btsd", Z, W).to(torch.bfloat16) + torch.arange(D).to(torch.bfloat16) % 5
+    x[1, 4, 0, 3] = float("nan")
+    mask = torch.rand(B, T, generator=g) > 0.2
+    G, s, _, n, _ = run_twin(twin, x, mask, 1, 132)
+    ref = covariance_partials_reference(x.double(), mask, 1, center=False)
+    assert (G == ref.G.numpy()).all() and (s == ref.s.numpy()).all() and (n == ref.n.numpy()).all()
+    tiles = ref.G.numpy().reshape(S, D // 8, 8, D // 8, 8).transpose(0, 1, 3, 2, 4)  # [S, I, J, 8, 8]
+    for I in range(D // 8):
+        for J in range(I):
+            assert (tiles[:, I, J] != tiles[:, I, J].transpose(0, 2, 1)).any(), (I, J)
+
+
+@pytest.mark.parametrize("shape", [(0, 16, 2, 64), (3, 0, 2, 64), (2, 5, 1, 32)])
+def test_twin_on_empty_updates(twin, shape):
+    """No rows (B = 0, T = 0), or every row masked out: zeros and counts of zero, the model's bits."""
+    x = torch.randn(shape).to(torch.float32)
+    mask = torch.zeros(shape[:2], dtype=torch.bool)
+    for m in (None, mask):
+        got = run_twin(twin, x, m, 2, 132)
+        if m is not None or 0 in shape:
+            assert all((a == 0).all() for a in got)
+        check(got, x, m, 2)
+        assert same_bits(got, emu.emulate(x, m, 2, 132))
+
+
+def test_twin_widens_every_float16_exactly(twin):
+    """Every finite float16 (subnormals, ±0, the largest) through the twin's cvt.f32.f16: the
+    sums and products of all of them, bit for bit the model's (numpy's conversion)."""
+    bits = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    x = bits[torch.isfinite(bits)].reshape(1, -1, 1, 32)  # 63488 values: 1984 rows of D = 32
+    got = run_twin(twin, x, None, 1, 1)
+    assert got[3][0] == 1984 and same_bits(got, emu.emulate(x, None, 1, 1))
+    check(got, x, None, 1)
+
+
+def test_twin_results_do_not_depend_on_the_thread_order(twin):
+    """A block's threads in thread order, then reversed: the same bits (every value a thread reads
+    was written before a barrier or collective it passed)."""
+    x, mask = adversarial(2, 50, 2, 96, torch.bfloat16, seed=12)
+    first = run_twin(twin, x, mask, 2, 132)
+    assert same_bits(run_twin(twin, x, mask, 2, 132, order=1), first)
+    assert same_bits(run_twin(twin, x, mask, 2, 1, order=1), run_twin(twin, x, mask, 2, 1))
+
+
+@needs_twin
+def test_twin_refuses_what_a_gpu_would_not_run():
+    """The software GPU's own checks: a configuration the build lacks, a parameter list of the wrong
+    length, a block past the launch bounds, too little dynamic shared memory (the kernel's write
+    past it is caught), a collective the warp cannot take; a launch after a failed one runs."""
+    from fastspec.eig import _host
+
+    D, dtype, N = 64, "float32", 40
+    x = torch.randn(1, N, 1, D)
+    record = D * (D + 1) // 2 + D
+    part, counts = torch.zeros(record, dtype=torch.float64), torch.zeros(2, dtype=torch.int64)
+    # one block of 2 tiles (32 rows each at D = 64): both staging buffers
+    args = [a.value or 0 for a in gram_cuda.launch_args(x.data_ptr(), 0, part.data_ptr(), counts.data_ptr(), 1, N, 1,
+                                                          x.stride(), (0, 0), 64)]
+    macros = {k: int(v) for k, v in (d[2:].split("=") for d in gram_cuda.defines(D, dtype))}
+    smem = 2 * 32 * (D + gram_cuda.PAD) * 8
+    launch = {"entry": GRAM, "defines": macros, "grid": (1, 1, 1), "block": (256, 1, 1), "smem": smem, "args": args}
+    with pytest.raises(ValueError, match="no configuration compiled"):
+        _host.cov_gram_launch(**{**launch, "defines": {**macros, "FS_COV_ROWS": 16}})
+    with pytest.raises(ValueError, match="takes 14 parameters"):
+        _host.cov_gram_launch(**{**launch, "args": args[:-1]})
+    with pytest.raises(ValueError, match="launch bounds"):
+        _host.cov_gram_launch(**{**launch, "block": (512, 1, 1)})
+    with pytest.raises(RuntimeError, match="wrote past its 17408 bytes of dynamic shared memory"):
+        _host.cov_gram_launch(**{**launch, "smem": smem // 2})
+    with pytest.raises(RuntimeError, match="__all_sync: the twin takes the full mask"):
+        _host.cov_gram_launch(**{**launch, "block": (200, 1, 1)})  # warp 6 has 8 lanes
+    done = _host.cov_gram_launch(**launch)
+    assert done["blocks"] == 1 and done["mma"] == 2 * 8 * 36 and counts.tolist() == [N, 0]
+    want, _ = emu.gram_kernel(x.double().reshape(N, 1, D).numpy(), np.ones(N, dtype=bool), emu.Launch(D, 32, 8, 1, 64),
+                              emu.kernel_constants())
+    assert np.array_equal(part.numpy(), want.ravel())
 
 
 # ---------------------------------------------------------------------------------- the build
