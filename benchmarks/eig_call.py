@@ -129,6 +129,9 @@ def stub_gpu():
     p = _Patches()
     try:
         p.set(cuda, "_driver", lambda: drv)
+        from fastspec import selfcheck
+
+        p.set(selfcheck, "enabled", lambda: False)  # the stub's kernels compute nothing to check
         p.set(cuda, "_binding", [(True, "stub driver")])
         p.set(cuda, "_device_setup", lambda index: (cuda.DeviceSpec.for_arch(90), nvrtc.Target(90)))
         p.set(cuda, "_load", lambda driver, variant, target: cuda._Loaded(("stub", variant.algo), "lib", set()))

@@ -1,6 +1,6 @@
 """The offline GPU kit: fastspec measured on an H100/H200 in two capped commands, 13 minutes.
 
-    python benchmarks/gpu_run.py 1 OUT          # headline numbers (first 4 minutes), covariance route race, eigensolver race and phases, race probe, GPU tests
+    python benchmarks/gpu_run.py 1 OUT          # headline numbers (first 4 minutes), covariance route race, eigensolver race and phases, race probe, every kernel's self-check, GPU tests
     python benchmarks/gpu_run.py 2 OUT          # Triton config race, profiles, every other size, training steps, Nsight Compute
     python benchmarks/gpu_run.py 3 OUT          # extra, when the lease has time left: key rank, sanitizers, compiled step
     python benchmarks/gpu_run.py --plan         # the time table; exit 1 if the plan breaks a limit
@@ -83,11 +83,12 @@ ARCH_DRY = "90"       # the arch the kit targets: the CUDA build is checked even
 # LICENSE: pyproject's license-files names it, and a build without it is an error from 2027 (setuptools)
 COPIED = ("fastspec", "csrc", "tests", "benchmarks", "conftest.py", "setup.py", "pyproject.toml", "README.md",
           "LICENSE")
-# what the host-twin extension is built from (setup.py): the eigensolver's files of csrc/, not
-# cov_gram.cu, which only NVRTC compiles (an edit there must not rebuild the extension)
+# what the host-twin extension is built from (setup.py): the eigensolver's files of csrc/ and the
+# Gram kernel's host twin, which compiles cov_gram.cu's own code (so an edit there rebuilds it too:
+# a twin built from an older kernel would test code that no longer runs)
 NATIVE = ("csrc/bindings.cpp", "csrc/eig_host.cpp", "csrc/eig_host.h", "csrc/eig_core.h", "csrc/eig_algos.h",
-          "csrc/eig_packed.h", "csrc/eig_regs.h", "csrc/eig_split.h", "csrc/eig_newton.h", "fastspec/eig/limits.py",
-          "setup.py")
+          "csrc/eig_packed.h", "csrc/eig_regs.h", "csrc/eig_split.h", "csrc/eig_newton.h", "csrc/cov_gram.cu",
+          "csrc/cov_gram_host.cpp", "csrc/cov_gram_host.h", "fastspec/eig/limits.py", "setup.py")
 KERNEL_SIZES = ("64", "128", "256")  # the eigvalsh suite's n (fastspec.bench.suites.eigvalsh.SIZES["gpu"])
 # the wheels a GPU machine lacks (--fetch-wheels, carried as .whl/): libmathdx for the race's cusolverdx
 # row (the GPU image has NVRTC, nvJitLink and cuda-bindings already: torch's CUDA 13 wheels need them)
@@ -174,7 +175,14 @@ PLAN: dict[int, tuple[Step, ...]] = {
         # 60 s (was 75): it runs to its cap wherever it runs (the H200, 2026-11-28: SIGINT at 85 s,
         # killed at 90), so its cap is what the plan can spare; 15 s of it went to cov-race, whose
         # rows choose the route of every exact keys update
-        Step("tests", "tests", 45, 10, "pytest -m '(gpu or triton) and not sm90' (8 workers, one per core at "
+        # fastspec info --check: every kernel configuration's first-use self-check on this GPU
+        # (fastspec/selfcheck.py; no check starts after the cap), after the headline numbers,
+        # whose first uses ran their own checks. 20 s, paid for by the tests step (45 -> 35),
+        # command 2's every-other-size eigvalsh (20 -> 10) and ncu (30 -> 25), each of which
+        # always runs to its cap
+        Step("selfcheck", "selfcheck", 20, 0, "fastspec info --check: every kernel configuration (exact routes, "
+             "Triton candidates, eigensolver algorithms) run once on its adversarial case against float64"),
+        Step("tests", "tests", 35, 10, "pytest -m '(gpu or triton) and not sm90' (8 workers, one per core at "
              "most, where pytest-xdist is installed): CUDA solver, Triton kernels on CUDA"),
         SUMMARY),
     2: (BUILD, KERNELS_AGAIN,
@@ -191,13 +199,13 @@ PLAN: dict[int, tuple[Step, ...]] = {
              "and timed (device µs, share of a copy's bandwidth, TFLOP/s); the table rows to commit"),
         _diag("profile", 35, 10, "host vs device time of a keys update; torch.profiler of measure() and "
               "of a keys-streaming train step at the 1.5B shape"),
-        _bench("eigvalsh", 20, 10, "every other eigvalsh size (n 64/128/256, B up to 16384, fp64 B4096)", REST),
+        _bench("eigvalsh", 10, 10, "every other eigvalsh size (n 64/128/256, B up to 16384, fp64 B4096)", REST),
         _bench("covariance", 15, 5, "FFN [16384, 8192] bf16: update, kernel, copy", REST),
         _bench("train_step", 45, 15, "1.5B train step, keys + FFN streaming: emit_every 100, budget=0.01, "
                "emit_every 1"),
         # 35 s: at 30 both profiles ran out of time on the H100 (2026-11-27); 5 s from eigvalsh,
         # whose every-other-size step always runs to its cap
-        Step("ncu", "ncu", 30, 5, "Nsight Compute --set full: one keys covariance launch, one eig launch"),
+        Step("ncu", "ncu", 25, 5, "Nsight Compute --set full: one keys covariance launch, one eig launch"),
         SUMMARY),
     3: (BUILD, KERNELS_AGAIN,
         _bench("keyrank", 30, 15, "1.5B key rank: measure() vs hooks + svdvals per head"),
@@ -299,6 +307,8 @@ class Run:
                     "--n", *KERNEL_SIZES, "--dtype", "float32", "float64", "--algo", "all", *vendor]
         if step.kind == "env":
             return [py, "benchmarks/gpu_tools.py", "env"]
+        if step.kind == "selfcheck":
+            return [py, "-m", "fastspec", "info", "--check", "--time-limit", cap]
         if step.kind == "bench":
             return [py, "-m", "fastspec", "bench", "--suite", step.suite, *step.select, *size,
                     "--json", str(self.out / f"{step.name}.json"), "--time-limit", cap]

@@ -80,14 +80,22 @@ class FakeDriver(types.SimpleNamespace):
         return (0,)
 
 
-def install(monkeypatch, n: int, version: int = 13000, dtype: str = "float32") -> FakeDriver:
+def install(monkeypatch, n: int, version: int = 13000, dtype: str = "float32", self_check: bool = False
+            ) -> FakeDriver:
     """Point cuda.py at a fresh :class:`FakeDriver` on CPU tensors: an H100's plan, device 0
     current, stream :data:`STREAM`, nothing loaded or planned yet. (The caller gives the kernel
     cache a folder of its own: NVRTC compiles for real.)
 
     The launch plumbing of the default (block) algorithm: the selection table is emptied, since
     the shipped one holds the H100 race's rows for sm_90 (test_eig_variants.py and the GPU tests
-    cover the selection)."""
+    cover the selection). First-use self-checks (fastspec/selfcheck.py) are off unless
+    ``self_check``: the plumbing tests count launches and driver calls of the user's call alone;
+    with them on, the check's matrices live on the CPU and every verdict is this test's own."""
+    from fastspec import selfcheck
+
+    monkeypatch.setenv(selfcheck.ENV, "1" if self_check else "0")
+    monkeypatch.setattr(selfcheck, "_results", {})
+    monkeypatch.setattr(cuda, "check_device", lambda index: torch.device("cpu"))
     drv = FakeDriver(n, version, dtype)
     monkeypatch.setattr(variants, "_rows", [[]])
     monkeypatch.setattr(cuda, "_driver", lambda: drv)

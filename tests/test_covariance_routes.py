@@ -305,7 +305,7 @@ def test_an_empty_update_or_a_closed_gate_changes_nothing_on_every_route(monkeyp
 def test_ops_use_the_route_only_for_exact_raw_sums(monkeypatch):
     """Centred accumulators and float32 products never reach the routes (the policy decides)."""
     seen = []
-    monkeypatch.setattr(routes, "choose", lambda x, rows=None: seen.append(x.shape) or ("blocked", ""))
+    monkeypatch.setattr(routes, "choose", lambda x, rows=None, skip=frozenset(): seen.append(x.shape) or ("blocked", ""))
     x = torch.randn(1, 4, 2, 8)
     fastspec.Covariance((2, 8), track_mean=True).update(x)
     fastspec.Covariance((2, 8), track_mean=False, precision="fast").update(x)
@@ -333,17 +333,17 @@ def test_a_route_whose_kernel_cannot_be_had_hands_the_update_to_the_next(monkeyp
     r = routes.ROUTES["dmma"]
     monkeypatch.setitem(routes.ROUTES, "dmma", routes.Route(r.name, r.what, r.status, r.partials, broken))
     # CPU rows, chosen as if on the stood-in GPU
-    monkeypatch.setattr(routes, "choose", lambda x, rows=None: routes._choose(
-        CUDA0, x.dtype, x.shape[-1], rows, __import__("os").environ.get(routes.ENV, "").strip()))
+    monkeypatch.setattr(routes, "GPU_TYPES", ("cuda", "cpu"))
     x = torch.randn(2, 6, 2, 16).half()
     want = fastspec.Covariance((2, 16), track_mean=False, precision="exact", backend="torch")
     with monkeypatch.context() as m:
-        m.setattr(routes, "choose", lambda x, rows=None: ("blocked", ""))
+        m.setattr(routes, "choose", lambda x, rows=None, skip=frozenset(): ("blocked", ""))
         want.update(x).update(x)
     cov = fastspec.Covariance((2, 16), track_mean=False)
     with caplog.at_level("WARNING", logger="fastspec"):
         cov.update(x).update(x)
-    assert len(calls) == 1 and routes.status("dmma", CUDA0, torch.float16, 16).startswith("failed here: NVRTC")
+    assert len(calls) == 1 and routes.status("dmma", x.device, torch.float16, 16).startswith("failed here: NVRTC")
+    assert routes.status("dmma", CUDA0, torch.float16, 16) == ""  # on its device only
     assert sum("the dmma route of the exact covariance update failed" in r.message for r in caplog.records) == 1
     torch.testing.assert_close(cov.gram(), want.gram(), rtol=1e-14, atol=0)
     assert torch.equal(cov.n, want.n)

@@ -362,10 +362,14 @@ def test_the_headline_numbers_come_first_and_the_tools_once():
     assert [(s.suite, s.select) for s in heads] == [("eigvalsh", gpu_run.HEAD), ("covariance", gpu_run.HEAD),
                                                     ("probe", gpu_run.HEAD)]
     # after the numbers: the covariance route race, the eigensolver race and its phases, the covariance
-    # race probe, the tests
+    # race probe, every kernel configuration's self-check (fastspec info --check), the tests
     after = kinds[first.index(heads[-1]) + 1:]
-    assert after == ["covrace", "race", "phases", "probe", "tests", "summary"], after
+    assert after == ["covrace", "race", "phases", "probe", "selfcheck", "tests", "summary"], after
     assert every_kind().count("covrace") == every_kind().count("race") == every_kind().count("probe") == 1
+    assert every_kind().count("selfcheck") == 1
+    step = next(s for s in first if s.kind == "selfcheck")
+    argv = gpu_run.Run(1, first, Path("/nonexistent"), Path("/nonexistent"), False).argv(step)
+    assert argv[1:] == ["-m", "fastspec", "info", "--check", "--time-limit", str(step.cap)]
     assert every_kind().count("phases") == 1
     every = [s.kind for steps in gpu_run.PLAN.values() for s in steps]
     assert every.count("ncu") == every.count("sanitize") == every.count("tests") == every.count("compare") == 1

@@ -18,9 +18,16 @@ import os
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--check", action="store_true",
+                   help="run the first-use self-check of every kernel configuration on the visible GPU and print "
+                        "a table (exit status 1 if one fails)")
+    p.add_argument("--time-limit", type=float, default=None, metavar="S",
+                   help="with --check: start no new check after S seconds")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.check:
+        return run_checks(args)
     import fastspec
 
     from ..covariance import routes
@@ -144,3 +151,35 @@ def cache_state(k: dict) -> str:
     where = (f"owner {k['cache_owner']}, mode {k['cache_mode']}" if k["cache_mode"] else
              "not created yet" + ("" if k["cache_refused"] else ": made 0700 at the first compile"))
     return f"{where}, {'writable' if k['cache_writable'] else 'NOT writable'}, {k['cached_kernels']} kernels"
+
+
+def run_checks(args: argparse.Namespace) -> int:
+    """``fastspec info --check``: every configuration's self-check on the current GPU, as a table
+    (fastspec/selfcheck.py); without a GPU, one line saying so. Exit status 1 when one failed."""
+    import torch
+
+    from .. import preflight, selfcheck
+
+    if not torch.cuda.is_available():
+        msg = ("no CUDA device visible to torch: the self-checks run fastspec's GPU kernels (exact covariance "
+               "routes, float32 Triton updates, the CUDA eigensolver) on one, and there is none here to run; "
+               "on the CPU the torch reference paths serve, which need no check")
+        print(json.dumps({"device": None, "checks": [], "note": msg}, indent=2) if args.json else msg)
+        return 0
+    if not selfcheck.enabled():
+        print(f"self-checks are off (${selfcheck.ENV}={os.environ.get(selfcheck.ENV)}): unset it to run them")
+        return 0
+    device = torch.device("cuda", torch.cuda.current_device())
+    rows = preflight.check_everything(device, args.time_limit)
+    failed = [r for r in rows if r["verdict"] == "FAILED"]
+    if args.json:
+        print(json.dumps({"device": selfcheck.describe_device(device), "checks": rows}, indent=2))
+        return 1 if failed else 0
+    print(f"self-checks on {selfcheck.describe_device(device)}:")
+    width = max(len(r["kernel"]) for r in rows)
+    for r in rows:
+        note = f"  {r['error']}" if r["error"] else ""
+        print(f"  {r['kernel']:<{width}}  {r['config']:<24} {r['verdict']:<15} {r['seconds']:7.3f} s{note}")
+    counts = {v: sum(r["verdict"] == v for r in rows) for v in ("passed", "FAILED", "cannot run here", "not run")}
+    print("  " + ", ".join(f"{n} {v}" for v, n in counts.items() if n))
+    return 1 if failed else 0

@@ -148,6 +148,12 @@ class Covariance:
         self._state: dict[str, Tensor] | None = None
         if self._device is not None:
             self._init_state(self._device)
+            # a GPU's kernels are checked at their first use, but never inside a CUDA-graph capture
+            # or a trace: given the device, the checks its updates (of bfloat16 rows, what
+            # training activations are) and its spectrum need run now (fastspec/selfcheck.py)
+            from .. import preflight
+
+            preflight.up_front(self._device, self.D, self.track_mean, self.settings, self.num_sites)
 
     # read-only views of the settings, under the attribute names they had before settings existed
     precision = property(lambda self: self.settings.precision, doc="``settings.precision``")

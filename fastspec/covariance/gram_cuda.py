@@ -48,7 +48,7 @@ from torch import Tensor
 
 from .. import _args
 from ..eig import cuda, nvrtc
-from ..eig.nvrtc import KernelUnavailable
+from ..eig.nvrtc import KernelUnavailable, ShapeUnsupported
 from .blocked import Workspace, shared_workspace
 from .reference import CovPartials
 
@@ -279,12 +279,14 @@ def _check(x: Tensor, mask: Tensor | None, row_step: int) -> int:
     row_step = _args.integer("row_step", row_step, minimum=1)
     B, T, S, D = x.shape
     why = status(x.device, D, x.dtype)
-    if not why and max(B, T) > MAX_INDEX:
-        why = f"the DMMA Gram kernel indexes B and T with 32 bits, got B = {B}, T = {T}"
-    if not why and S > MAX_HEADS:
-        why = f"the DMMA Gram kernel takes at most {MAX_HEADS} heads (its grid's y), got S = {S}"
     if why:
         raise KernelUnavailable(why)
+    # past these limits the kernel cannot take this call, but takes every other: the caller falls
+    # back for this call only (ops.exact_update)
+    if max(B, T) > MAX_INDEX:
+        raise ShapeUnsupported(f"the DMMA Gram kernel indexes B and T with 32 bits, got B = {B}, T = {T}")
+    if S > MAX_HEADS:
+        raise ShapeUnsupported(f"the DMMA Gram kernel takes at most {MAX_HEADS} heads (its grid's y), got S = {S}")
     return row_step
 
 
@@ -339,7 +341,7 @@ def _launch(x: Tensor, mask: Tensor | None, row_step: int, G: Tensor, s: Tensor,
     Tk = -(-T // row_step)
     p = plan(B * Tk, S, D, dtype, _arch(index)[1])
     if p.rows_per_split > MAX_INDEX:
-        raise KernelUnavailable(f"the DMMA Gram kernel counts a block's rows with 32 bits, got {p.rows_per_split}")
+        raise ShapeUnsupported(f"the DMMA Gram kernel counts a block's rows with 32 bits, got {p.rows_per_split}")
     kernels = _kernels(D, dtype, index, p.smem)
     part = ws.get("cov_gram.partials", (p.split * S * p.record,), torch.float64, dev)
     counts = ws.get("cov_gram.counts", (p.split * S * 2,), torch.int64, dev)

@@ -147,10 +147,22 @@ def covariance_update(n: Tensor, rejected: Tensor, first: Tensor, second: Tensor
     # rebuilt from the strings, which checks them (the op can also be called directly), once per pair
     plan = update_plan(_settings(precision, backend), track_mean, x)
     if plan.backend == "triton":
-        from .triton_update import covariance_partials_triton
+        from .. import selfcheck
+        from . import triton_update as tu
 
-        merge_sums(st, track_mean, *covariance_partials_triton(x, mask, row_step, track_mean))
-        return
+        settings = tu.serving(x, track_mean)  # checked at its first use: a failed kernel never serves
+        if settings is not tu.REFERENCE:
+            try:
+                merge_sums(st, track_mean, *tu.covariance_partials_triton(x, mask, row_step, track_mean,
+                                                                          candidate=settings))
+                return
+            except Exception as exc:
+                if not selfcheck.is_build_failure(exc) or os.environ.get("FASTSPEC_COV_TRITON_CONFIG", "").strip():
+                    raise
+                # built for the check's shapes but not for this call's (Triton specializes on
+                # them): disabled on this device; the torch path takes this update
+                tu.mark_broken(x, track_mean, settings, str(exc))
+        plan = plan._replace(backend="torch")
     if plan.products == torch.float64 and not track_mean:
         exact_update(st, x, mask, row_step)
         return
@@ -159,15 +171,22 @@ def covariance_update(n: Tensor, rejected: Tensor, first: Tensor, second: Tensor
     merge_sums(st, track_mean, *blocked.accumulate(x, mask, row_step, track_mean, plan.products, ws))
 
 
-def exact_update(st: dict[str, Tensor], x: Tensor, mask: Tensor | None, row_step: int) -> None:
+def exact_update(st: dict[str, Tensor], x: Tensor, mask: Tensor | None, row_step: int,
+                 skip: frozenset[str] = frozenset()) -> None:
     """Exact raw sums (the ``sv`` sites): the route the table or the cost model picks
-    (``routes.py``), its merge folded into its last kernel where it has one. A route whose kernel
-    cannot be had at its first use (KernelUnavailable: a compile error, say) is marked broken and
-    the next route takes the update, unless ``$FASTSPEC_COV_VARIANT`` forced it."""
-    from ..eig.nvrtc import KernelUnavailable
+    (``routes.py``; checked at its first use, :func:`routes.self_check`), its merge folded into
+    its last kernel where it has one. Unless ``$FASTSPEC_COV_VARIANT`` forced the route:
+
+    * a shape past the route's kernel's limits (ShapeUnsupported: more heads than its grid
+      takes, an index past 32 bits) sends this call to the next route, and this call only;
+    * a kernel that cannot be built or loaded (KernelUnavailable, a Triton compile error) marks
+      the route broken on this device, and the next route takes this update and the later ones.
+    """
+    from .. import selfcheck
+    from ..eig.nvrtc import ShapeUnsupported
 
     rows = x.shape[0] * -(-x.shape[1] // row_step)
-    name, _ = routes.choose(x, rows)
+    name, _ = routes.choose(x, rows, skip)
     route = routes.ROUTES[name]
     totals = (st["n"], st["rejected"], st["sum"], st["gram"])
     try:
@@ -177,11 +196,17 @@ def exact_update(st: dict[str, Tensor], x: Tensor, mask: Tensor | None, row_step
             route.accumulate(*totals, x, mask, row_step)
         else:
             merge_sums(st, False, *route.partials(x, mask, row_step))
-    except KernelUnavailable as exc:
-        if name == "blocked" or os.environ.get(routes.ENV, "").strip():
+    except Exception as exc:
+        # the kernels check shapes before they write anything, and fail to build before they run:
+        # the totals are untouched when either happens
+        shape = isinstance(exc, ShapeUnsupported)
+        if name == "blocked" or os.environ.get(routes.ENV, "").strip() or not (shape or selfcheck.is_build_failure(exc)):
             raise
-        routes.mark_broken(name, str(exc))
-        exact_update(st, x, mask, row_step)
+        if shape:
+            exact_update(st, x, mask, row_step, skip | {name})
+            return
+        routes.mark_broken(name, str(exc), x.device)
+        exact_update(st, x, mask, row_step, skip)
 
 
 covariance_update_op = torch.library.custom_op(

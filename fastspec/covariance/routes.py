@@ -228,6 +228,11 @@ def load_table(path: Path | None = None) -> list[Row]:
 # --- the choice --------------------------------------------------------------------------------
 
 
+GPU_TYPES = ("cuda",)
+"""Device types whose updates take the table and the CUDA routes (tests add the CPU, with the
+kernels stood in)."""
+
+
 def _arch(device: torch.device) -> int:
     major, minor = torch.cuda.get_device_capability(device)
     return major * 10 + minor
@@ -238,40 +243,104 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 _chosen: dict[tuple, tuple[str, str]] = {}
-_broken: dict[str, str] = {}  # route -> why it failed at its first use in this process (a compile error)
+_broken: dict[tuple[str, torch.device], str] = {}  # (route, device) -> why its kernel could not be built or loaded
+_failed: dict[tuple, str] = {}  # (route, device, dtype, D) -> its self-check's failure
 
 
 def status(name: str, device: torch.device, dtype: torch.dtype, D: int) -> str:
     """Why route ``name`` cannot run rows of ``dtype`` and width ``D`` on ``device`` ("" if it can):
-    its own status, or the failure it had in this process."""
-    return _broken.get(name) or ROUTES[name].status(device, dtype, D)
+    its own status, or the failure it had on this device in this process (a kernel that could
+    not be built or loaded, or a configuration that failed its self-check)."""
+    return (_broken.get((name, device)) or _failed.get((name, device, dtype, D))
+            or ROUTES[name].status(device, dtype, D))
 
 
-def mark_broken(name: str, why: str) -> None:
-    """Route ``name`` failed at first use (e.g. its kernel did not compile): no update of this
-    process chooses it again, and the choices made so far are made anew. Said once."""
+def mark_broken(name: str, why: str, device: torch.device) -> None:
+    """Route ``name``'s kernel could not be built or loaded on ``device`` (a compile error, a
+    driver that refuses it): no update on that device chooses it again in this process, and the
+    choices made so far are made anew. Said once. (A shape past a kernel's limits is not a
+    failure of the route: ``ops.exact_update`` falls back for that call only.)"""
     import logging
 
-    _broken[name] = f"failed here: {why}"
+    _broken[name, device] = f"failed here: {why}"
     _chosen.clear()
-    logging.getLogger("fastspec").warning("fastspec: the %s route of the exact covariance update failed (%s); "
-                                          "the next route takes its updates", name, why)
+    logging.getLogger("fastspec").warning("fastspec: the %s route of the exact covariance update failed on %s (%s); "
+                                          "the next route takes its updates there", name, device, why)
 
 
-def choose(x: Tensor, rows: int | None = None) -> tuple[str, str]:
+def self_check(name: str, device: torch.device, dtype: torch.dtype, D: int) -> bool | None:
+    """Route ``name``'s first-use self-check for ``dtype`` rows of width ``D`` on ``device``
+    (:mod:`fastspec.selfcheck`): its ``partials`` and its ``accumulate`` on the adversarial rows
+    against the float64 reference. True: it may serve; False: it failed (warned once; the
+    configuration is then refused by :func:`status`); None: not checked now (a trace or a
+    capture). ``blocked`` (the reference) and routes on devices that are not checked pass. A
+    kernel that cannot be built raises (the caller marks the route broken on the device)."""
+    from .. import selfcheck
+
+    if name == "blocked" or not selfcheck.applies(device):
+        return True
+    route = ROUTES[name]
+
+    def case() -> str:
+        for x, mask in selfcheck.rows(D, dtype, device):
+            why = selfcheck.compare_raw(route.partials(x, mask, 1), x, mask)
+            if why:
+                return f"partials: {why}"
+            if route.accumulate is not None:
+                S = x.shape[2]
+                f64 = {"dtype": torch.float64, "device": device}
+                n, rejected = (torch.zeros(S, dtype=torch.int64, device=device) for _ in range(2))
+                sum_, gram = torch.zeros(S, D, **f64), torch.zeros(S, D, D, **f64)
+                route.accumulate(n, rejected, sum_, gram, x, mask, 1)
+                why = selfcheck.compare_raw(CovPartials(n, torch.zeros_like(sum_), sum_, gram, rejected), x, mask)
+                if why:
+                    return f"accumulate: {why}"
+        return ""
+
+    ok = selfcheck.run(("exact", name, device, dtype, D), f"the exact covariance route {name}",
+                       f"{_dtype_name(dtype)} D={D}", device, case, "the next route")
+    if ok is False:
+        _failed[name, device, dtype, D] = "failed its self-check here (a wrong answer: see the warning)"
+        _chosen.clear()
+    return ok
+
+
+def choose(x: Tensor, rows: int | None = None, skip: frozenset[str] = frozenset()) -> tuple[str, str]:
     """``(route, why)`` for an exact raw-sum update of ``x: [B, T, S, D]`` (``rows`` per site;
-    default ``B·T``) on its device (module docstring). Cached per device, dtype, D, rows and
-    ``$FASTSPEC_COV_VARIANT``."""
+    default ``B·T``) on its device (module docstring), other than those in ``skip`` (a route that
+    cannot take this call's shape: ``ops.exact_update``). The route chosen has passed its
+    first-use self-check (:func:`self_check`); one that fails it, or whose kernel cannot be
+    built, gives way to the next. Cached per device, dtype, D, rows, ``skip`` and
+    ``$FASTSPEC_COV_VARIANT`` (not while its check could not run: a trace or a capture)."""
     rows = x.shape[0] * x.shape[1] if rows is None else rows
     forced = os.environ.get(ENV, "").strip()
-    key = (x.device, x.dtype, x.shape[-1], rows, forced)
+    key = (x.device, x.dtype, x.shape[-1], rows, forced, skip)
     got = _chosen.get(key)
-    if got is None:
-        got = _chosen[key] = _choose(x.device, x.dtype, x.shape[-1], rows, forced)
+    if got is not None:
+        return got
+    from .. import selfcheck
+
+    while True:
+        got = _choose(x.device, x.dtype, x.shape[-1], rows, forced, skip)
+        try:
+            verdict = self_check(got[0], x.device, x.dtype, x.shape[-1])
+        except Exception as exc:
+            if forced or not selfcheck.is_build_failure(exc):
+                raise
+            mark_broken(got[0], str(exc), x.device)
+            continue
+        if verdict is False and forced:
+            raise RuntimeError(f"{ENV}={forced}: the route failed its self-check here "
+                               f"({_failed[forced, x.device, x.dtype, x.shape[-1]]})")
+        if verdict is not False:
+            break
+    if verdict:
+        _chosen[key] = got
     return got
 
 
-def _choose(device: torch.device, dtype: torch.dtype, D: int, rows: int, forced: str) -> tuple[str, str]:
+def _choose(device: torch.device, dtype: torch.dtype, D: int, rows: int, forced: str,
+            skip: frozenset[str] = frozenset()) -> tuple[str, str]:
     if forced:
         if forced not in ROUTES:
             raise ValueError(f"{ENV}: expected one of {', '.join(ROUTES)}, got {forced!r}")
@@ -279,18 +348,18 @@ def _choose(device: torch.device, dtype: torch.dtype, D: int, rows: int, forced:
         if why:
             raise RuntimeError(f"{ENV}={forced} cannot run here: {why}")
         return forced, f"forced by {ENV}={forced}"
-    if device.type != "cuda":
+    if device.type not in GPU_TYPES:
         return "blocked", "CPU tensors: SciPy's float64 syrk (the other routes are CUDA code)"
     arch, dt = _arch(device), _dtype_name(dtype)
     skipped = []
     for r in load_table():
-        if r.matches(arch, dt, D, rows):
+        if r.matches(arch, dt, D, rows) and r.route not in skip:
             why = status(r.route, device, dtype, D)
             if not why:
                 return r.route, r.describe()
             skipped.append(f"the table's {r.route} ({why})")
     for name in ROUTES:
-        why = status(name, device, dtype, D)
+        why = "this call's shape is past its kernel's limits" if name in skip else status(name, device, dtype, D)
         if not why:
             head = f"no measured row for sm_{arch} {dt} D={D} with {rows} rows: the predicted order"
             return name, "; ".join([head, *(f"not {s}" for s in skipped)])
@@ -306,6 +375,7 @@ def forget() -> None:
     _chosen.clear()
     _rows.clear()
     _broken.clear()
+    _failed.clear()
     gram_cuda = sys.modules.get(f"{__package__}.gram_cuda")  # only if imported: it loads the driver binding
     if gram_cuda is not None:
         gram_cuda._statuses.clear()

@@ -42,7 +42,7 @@ from torch import Tensor
 
 from .. import _args
 from .reference import CovPartials, covariance_partials_reference
-from .triton_configs import TritonConfig, arch_of, choose, kernel_of
+from .triton_configs import CANDIDATES, ENV, TritonConfig, arch_of, choose, kernel_of
 from .triton_kernels import (
     _center_kernel,
     _cov_partials_kernel,
@@ -51,7 +51,8 @@ from .triton_kernels import (
 )
 from .triton_presplit import presplit_partials
 
-__all__ = ["covariance_partials_triton", "block_accumulation", "launch_config", "pipeline_stages"]
+__all__ = ["REFERENCE", "block_accumulation", "covariance_partials_triton", "launch_config", "pipeline_stages",
+           "serving"]
 
 # rows sampled for the center; enough to put c within ~std/8 of the mean
 CENTER_ROWS = 64
@@ -366,3 +367,120 @@ def covariance_partials_triton(x: Tensor, mask: Tensor | None = None, row_step: 
                                      FROM_STATUS=not fused, ZERO_C=not center, BR=BR, BK=FINISH_BK,
                                      BN=FINISH_BN, num_warps=4)
     return CovPartials(nr[0], c, s, G, nr[1])
+
+
+# --- which settings serve: first-use self-checks ---------------------------------------------------
+
+REFERENCE = "reference"
+"""What :func:`serving` answers where no Triton configuration may serve: the torch path
+(``blocked.py``, float32 products) takes the update."""
+
+_serving: dict[tuple, TritonConfig | None | str] = {}
+_broken: dict[tuple, str] = {}  # (device, dtype, D, center, candidate name) -> why it could not be built
+
+
+def _label(D: int, dtype: torch.dtype, candidate: TritonConfig | None) -> str:
+    if candidate is not None:
+        return f"the {candidate.kernel} kernel, candidate {candidate.name}"
+    return "the fused-row kernel" if D <= 128 else "the tiled kernel"
+
+
+def serving(x: Tensor, center: bool) -> TritonConfig | None | str:
+    """The launch settings a float32 update of ``x: [B, T, S, D]`` runs on its device, each
+    configuration (kernel × candidate × dtype × convention × D) checked at its first use
+    (:mod:`fastspec.selfcheck`): a candidate of :mod:`.triton_configs` (16-bit input, ``D > 64``:
+    the one :func:`~.triton_configs.choose` picks, else the next that passes), None (the fixed
+    settings of fp32 input or ``D <= 64``; float64 input, which the launcher hands to the
+    reference), or :data:`REFERENCE` (nothing passed or built: the torch path serves). A forced
+    candidate (``$FASTSPEC_COV_TRITON_CONFIG``) that fails raises. Cached per device, dtype, D,
+    convention and the variable, once its check has run."""
+    from .. import selfcheck
+
+    forced = os.environ.get(ENV, "").strip()
+    key = (x.device, x.dtype, x.shape[-1], bool(center), forced)
+    got = _serving.get(key, _serving)
+    if got is not _serving:
+        return got
+    D, dtype = x.shape[-1], x.dtype
+    if dtype == torch.float64:
+        _serving[key] = None
+        return None
+    kernel = kernel_of(D) if dtype in (torch.bfloat16, torch.float16) else None
+    if kernel is None:
+        options: list[TritonConfig | None] = [None]
+    else:
+        first, _ = choose(kernel, arch_of(x.device), dtype, bool(center))
+        options = [first] if forced else [first, *(c for c in CANDIDATES[kernel] if c != first)]
+    settled = True
+    for cand in options:
+        name = "fixed" if cand is None else cand.name
+        if (x.device, dtype, D, bool(center), name) in _broken:
+            continue
+        try:
+            verdict = _self_check(x.device, dtype, D, bool(center), cand)
+        except Exception as exc:
+            if forced or not selfcheck.is_build_failure(exc):
+                raise
+            _broken[x.device, dtype, D, bool(center), name] = str(exc)
+            import logging
+
+            logging.getLogger("fastspec").warning("fastspec: %s of the float32 Triton update could not be built on %s "
+                                                  "(%s); the next settings serve", _label(D, dtype, cand), x.device, exc)
+            continue
+        if verdict is False:
+            if forced:
+                raise RuntimeError(f"${ENV}={forced}: the candidate failed its self-check here (see the warning)")
+            continue
+        if verdict is None:
+            settled = False
+        if settled:
+            _serving[key] = cand
+        return cand
+    _serving[key] = REFERENCE
+    return REFERENCE
+
+
+def _self_check(device: torch.device, dtype: torch.dtype, D: int, center: bool,
+                candidate: TritonConfig | None) -> bool | None:
+    """One configuration's first-use self-check: the adversarial rows of
+    :func:`fastspec.selfcheck.rows` through :func:`covariance_partials_triton` with these settings,
+    against float64 (within 4x torch float32's own error)."""
+    from .. import selfcheck
+
+    if not selfcheck.applies(device):
+        return True
+
+    def case() -> str:
+        for x, mask in selfcheck.rows(D, dtype, device):
+            why = selfcheck.compare_fast(covariance_partials_triton(x, mask, 1, center, candidate=candidate),
+                                         x, mask, center)
+            if why:
+                return why
+        return ""
+
+    name = "fixed" if candidate is None else candidate.name
+    conv = "centred" if center else "raw sums"
+    return selfcheck.run(("triton", name, device, dtype, D, center), f"the float32 Triton update ({_label(D, dtype, candidate)})",
+                         f"{str(dtype).removeprefix('torch.')} D={D} {conv}", device, case,
+                         "the next candidate" if candidate is not None else "the torch path")
+
+
+def mark_broken(x: Tensor, center: bool, candidate: TritonConfig | None, why: str) -> None:
+    """``candidate``'s kernel could not be built for an update of ``x`` (its specialization for
+    this call's shapes and strides): not used again on this device for this dtype, D and
+    convention; :func:`serving` decides anew. Said once."""
+    import logging
+
+    name = "fixed" if candidate is None else candidate.name
+    _broken[x.device, x.dtype, x.shape[-1], bool(center), name] = why
+    for key in [k for k in _serving if k[:4] == (x.device, x.dtype, x.shape[-1], bool(center))]:
+        del _serving[key]
+    logging.getLogger("fastspec").warning("fastspec: %s of the float32 Triton update could not be built on %s (%s); "
+                                          "the next settings serve", _label(x.shape[-1], x.dtype, candidate), x.device,
+                                          why)
+
+
+def forget() -> None:
+    """Drop what :func:`serving` decided and the settings that failed to build (tests)."""
+    _serving.clear()
+    _broken.clear()

@@ -445,24 +445,78 @@ def prepare(n: int, dtype: torch.dtype | str, device: torch.device | int, batch:
         spec, target = _device_setup(index)
         p = plan(batch, n, dt, spec, algo)
         try:
-            entry = _get(driver, p.variant, target)
+            entry = _get_checked(driver, p, spec, target, index)
         except KernelUnavailable as exc:
             if algo is not None or p.variant.algo == "block":
                 raise
             variants.say_once(f"the {p.variant.algo} algorithm ({p.why}) cannot be had ({exc}); using block")
             p = plan(batch, n, dt, spec, "block")
-            entry = _get(driver, p.variant, target)
-        if index not in entry.devices:
-            dev = _check(driver.cuDeviceGet(index), "cuDeviceGet")
-            attr = driver.CUfunction_attribute
-            _check(driver.cuKernelSetAttribute(attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, p.smem,
-                                               entry.kernel, dev), "setting the kernel's shared memory")
-            # all of the unified L1/shared array as shared memory: the default carveout may leave
-            # room for fewer resident blocks than the shared-memory footprint allows
-            _check(driver.cuKernelSetAttribute(attr.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100,
-                                               entry.kernel, dev), "setting the kernel's carveout")
-            entry.devices.add(index)
+            entry = _get_checked(driver, p, spec, target, index)
     return entry, p
+
+
+def _get_checked(driver, p: Plan, spec: DeviceSpec, target: nvrtc.Target, index: int) -> _Loaded:
+    """The loaded kernel of ``p``'s variant, configured for device ``index`` and past its
+    first-use self-check there (caller holds _lock). A kernel that fails the check is
+    KernelUnavailable from then on, in this process, like one that does not compile."""
+    entry = _get(driver, p.variant, target)
+    if index not in entry.devices:
+        dev = _check(driver.cuDeviceGet(index), "cuDeviceGet")
+        attr = driver.CUfunction_attribute
+        _check(driver.cuKernelSetAttribute(attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, p.smem,
+                                           entry.kernel, dev), "setting the kernel's shared memory")
+        # all of the unified L1/shared array as shared memory: the default carveout may leave
+        # room for fewer resident blocks than the shared-memory footprint allows
+        _check(driver.cuKernelSetAttribute(attr.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100,
+                                           entry.kernel, dev), "setting the kernel's carveout")
+        entry.devices.add(index)
+    if _self_check(driver, entry, p.variant, spec, index) is False:
+        key = (p.variant, target.arch)
+        _failed[key] = f"the {p.variant.algo} algorithm failed its self-check here ({p.variant.dtype} n = {p.variant.n})"
+        _loaded.pop(key, None)
+        raise KernelUnavailable(_failed[key])
+    return entry
+
+
+def check_device(index: int) -> torch.device:
+    """Where the self-check's matrices live: CUDA device ``index`` (tests with the stand-in
+    driver point it at the CPU)."""
+    return torch.device("cuda", index)
+
+
+def _self_check(driver, entry: _Loaded, variant: Variant, spec: DeviceSpec, index: int) -> bool | None:
+    """The variant's first-use self-check on device ``index`` (:mod:`fastspec.selfcheck`): six
+    matrices of known spectra (clustered, rank-deficient, graded, both signs, scaled by 2^40, one
+    holding a NaN) solved by the loaded kernel, against float64 within 2x torch's own error +
+    8·eps·‖A‖₂. True/False: passed/failed (warned once); None: not now (a trace or a capture)."""
+    from .. import selfcheck
+
+    dev = check_device(index)
+    if not selfcheck.applies(torch.device("cuda", index)):
+        return True
+    dtype = getattr(torch, variant.dtype)
+
+    def case() -> str:
+        A, _ = selfcheck.spectra(variant.n)
+        A3 = A.to(dtype).to(dev)
+        B = A3.shape[0]
+        out = torch.full((B, variant.n), 7.0, dtype=dtype, device=dev)  # a kernel that skips rows is caught
+        p = plan(B, variant.n, variant.dtype, spec, variant.algo)
+        status = torch.zeros(B, dtype=torch.int32, device=dev)  # heev's per-matrix status
+        ws = torch.empty(p.workspace, dtype=dtype, device=dev) if p.workspace else None  # alive until the sync
+        work = ws.data_ptr() if ws is not None else status.data_ptr() if variant.algo in variants.EXTERNAL else 0
+        block = (ctypes.c_uint64 * 16)()
+        base = ctypes.addressof(block)
+        block[8:] = [base + 8 * i for i in range(8)]
+        PARAMS.pack_into(block, 0, A3.data_ptr(), out.data_ptr(), work, B, *A3.stride(), out.stride(0))
+        _launch_on(driver, index, entry.kernel, (p.grid, 1, 1), (variant.threads, 1, 1), p.smem, base + 64)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return selfcheck.compare_eigenvalues(out, A, dtype)
+
+    return selfcheck.run(("eig", variant, index), f"the CUDA eigensolver's {variant.algo} algorithm",
+                         f"{variant.dtype} n={variant.n}", torch.device("cuda", index), case,
+                         "the block algorithm" if variant.algo != "block" else "torch.linalg.eigvalsh")
 
 
 def _get(driver, variant: Variant, target: nvrtc.Target) -> _Loaded:

@@ -83,6 +83,11 @@ class KernelUnavailable(RuntimeError):
     """The CUDA kernel cannot be had here: the message says why and what to do."""
 
 
+class ShapeUnsupported(KernelUnavailable):
+    """This call's shape is past the kernel's limits (too many heads for its grid, an index past
+    32 bits): the next route serves this call only; the kernel stays in use for the others."""
+
+
 @dataclass(frozen=True)
 class Program:
     """A kernel's sources: ``source`` (compiled) and ``headers`` (what it includes), files of

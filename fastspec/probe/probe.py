@@ -228,6 +228,7 @@ class Probe:
         if twice:  # two sites of one name would merge their rows into one accumulator
             raise ValueError(f"modules: site name(s) {twice} used twice; give each ModuleSite its own label=")
 
+        self._checked = False  # the first-use self-checks of attach() (_self_checks) have run
         self._timer = WorkTimer(clock)
         self._totals = Collector(self.settings)  # the streaming totals (all captures between emissions)
         scope = ForwardScope(self.model)
@@ -450,10 +451,42 @@ class Probe:
         hooks changed), and each capture is one custom op in the graph. The schedule is a tensor
         the ops read, so steps that capture and steps that do not run the same graph.
         """
+        self._self_checks()
         self._hooks.install()
         self._router.streaming = True
         self._clock.attached()
         return self
+
+    def _self_checks(self) -> None:
+        """The first-use self-checks (fastspec/selfcheck.py) the streaming sites will need, run
+        now, before a compiled graph or a CUDA-graph capture could meet them unchecked: the
+        update and the eigensolver of the keys/queries (``head_dim`` wide, one matrix per KV head)
+        and of the FFN inputs (``hidden_size`` wide), at the dtype of the model's weights and
+        bfloat16 (autocast's), on their GPU. Widths come from a Hugging Face ``config``; a model
+        without one, and ``modules=`` sites, are checked at their first eager capture. Once per
+        probe."""
+        if self._checked:
+            return
+        self._checked = True
+        from .. import preflight, selfcheck
+
+        param = next((p for p in self.model.parameters() if p.is_floating_point()), None)
+        if param is None or not selfcheck.enabled() or not selfcheck.applies(param.device):
+            return
+        cfg = getattr(self.model, "config", None)
+        hidden = getattr(cfg, "hidden_size", None)
+        heads = getattr(cfg, "num_attention_heads", None)
+        head_dim = getattr(cfg, "head_dim", None) or (hidden // heads if hidden and heads else None)
+        kv = getattr(cfg, "num_key_value_heads", None) or heads or 1
+        dtypes = tuple(dict.fromkeys((param.dtype, torch.bfloat16)))
+        plan = self.sites
+        wanted = []
+        if (plan.keys or plan.queries or plan.prerope_keys) and isinstance(head_dim, int):
+            wanted.append((head_dim, plan.key_convention == "eig", kv))
+        if plan.ffn and isinstance(hidden, int):
+            wanted.append((hidden, plan.ffn_convention == "eig", 1))
+        for D, track_mean, sites in wanted:
+            preflight.up_front(param.device, D, track_mean, self.settings, sites, dtypes)
 
     def detach(self) -> None:
         """Stop streaming and remove every hook (accumulators and history are kept). The next
