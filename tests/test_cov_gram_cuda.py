@@ -208,19 +208,31 @@ def test_emulated_kernel_matches_the_float64_reference(dtype, D, sms):
     check(emu.emulate(x, None, 1, sms), x, None, 1)
 
 
-@pytest.mark.parametrize("view", ["bhtd", "d_strided", "sliced"])
-def test_emulated_kernel_on_strided_views(view):
-    """[B, H, T, D] seen as [B, T, H, D]; D not contiguous ([B, T, D, S] transposed); a slice."""
-    g = torch.Generator().manual_seed(1)
-    def bf16(*shape):
-        return torch.randn(*shape, generator=g).to(torch.bfloat16)
+VIEWS = ["bhtd", "d_strided", "sliced"]
 
-    x = {"bhtd": lambda: bf16(2, 3, 37, 64).transpose(1, 2),
-         "d_strided": lambda: bf16(2, 37, 64, 3).transpose(2, 3),
-         "sliced": lambda: bf16(2, 40, 5, 160)[:, 2:39, 1:4, 16:80]}[view]()
-    x[1, 5, 2, 7] = float("inf")
+
+def strided_view(view: str, dtype: torch.dtype, seed: int, bad: float):
+    """``(x [2, 37, 3, 64], mask [2, 37])`` through a non-contiguous view: ``bhtd`` ([B, H, T, D] seen
+    as [B, T, H, D]), ``d_strided`` (D not contiguous: [B, T, D, S] transposed) or ``sliced`` (a
+    slice of a larger tensor); one value of one row set to ``bad``."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    x = {"bhtd": lambda: rand(2, 3, 37, 64).transpose(1, 2),
+         "d_strided": lambda: rand(2, 37, 64, 3).transpose(2, 3),
+         "sliced": lambda: rand(2, 40, 5, 160)[:, 2:39, 1:4, 16:80]}[view]()
+    x[1, 5, 2, 7] = bad
     mask = torch.rand(2, 37, generator=g) > 0.3
     assert not x.is_contiguous()
+    return x, mask
+
+
+@pytest.mark.parametrize("view", VIEWS)
+def test_emulated_kernel_on_strided_views(view):
+    """[B, H, T, D] seen as [B, T, H, D]; D not contiguous ([B, T, D, S] transposed); a slice."""
+    x, mask = strided_view(view, torch.bfloat16, 1, float("inf"))
     for row_step in (1, 3):
         check(emu.emulate(x, mask, row_step, 7), x, mask, row_step)
 
@@ -559,21 +571,11 @@ def twin_cases(twin: FakeDevice, B: int, T: int, S: int, D: int, dtype: str, cas
             B * -(-T // row_step), S, D, dtype, sms)
 
 
-@pytest.mark.parametrize("view", ["bhtd", "d_strided", "sliced"])
+@pytest.mark.parametrize("view", VIEWS)
 def test_twin_on_strided_views(twin, view):
     """The views of :func:`test_emulated_kernel_on_strided_views`: the kernel's stepping of rows
     and columns through any element strides, with the sequence carries of row_step 3."""
-    g = torch.Generator().manual_seed(2)
-
-    def fp16(*shape):
-        return torch.randn(*shape, generator=g).to(torch.float16)
-
-    x = {"bhtd": lambda: fp16(2, 3, 37, 64).transpose(1, 2),
-         "d_strided": lambda: fp16(2, 37, 64, 3).transpose(2, 3),
-         "sliced": lambda: fp16(2, 40, 5, 160)[:, 2:39, 1:4, 16:80]}[view]()
-    x[1, 5, 2, 7] = float("-inf")
-    mask = torch.rand(2, 37, generator=g) > 0.3
-    assert not x.is_contiguous()
+    x, mask = strided_view(view, torch.float16, 2, float("-inf"))
     for row_step, sms in ((1, 7), (3, 132)):
         got = run_twin(twin, x, mask, row_step, sms)
         check(got, x, mask, row_step)

@@ -225,6 +225,12 @@ def _hf_architecture(folder: Path) -> dict:
         raise ValueError(f"models: {path} cannot be read as JSON: {_one_line(err)}") from None
     if not isinstance(config, dict):
         raise ValueError(f"models: {path} is not a JSON object")  # noqa: TRY004 - bad data, not a bad argument
+    return config_architecture(config)
+
+
+def config_architecture(config: dict) -> dict:
+    """:func:`architecture`'s fields from a Hugging Face config as a dict (``config.json``, or a
+    loaded model's ``model.config.to_dict()``)."""
     arch = {
         "model_type": config.get("model_type"),
         "num_layers": _config_value(config, "num_hidden_layers", "n_layer", "num_layers"),

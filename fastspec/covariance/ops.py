@@ -157,7 +157,7 @@ def covariance_update(n: Tensor, rejected: Tensor, first: Tensor, second: Tensor
                                                                           candidate=settings))
                 return
             except Exception as exc:
-                if not selfcheck.is_build_failure(exc) or os.environ.get("FASTSPEC_COV_TRITON_CONFIG", "").strip():
+                if not selfcheck.is_build_failure(exc) or os.environ.get(tu.ENV, "").strip():
                     raise
                 # built for the check's shapes but not for this call's (Triton specializes on
                 # them): disabled on this device; the torch path takes this update

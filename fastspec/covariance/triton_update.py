@@ -421,11 +421,7 @@ def serving(x: Tensor, center: bool) -> TritonConfig | None | str:
         except Exception as exc:
             if forced or not selfcheck.is_build_failure(exc):
                 raise
-            _broken[x.device, dtype, D, bool(center), name] = str(exc)
-            import logging
-
-            logging.getLogger("fastspec").warning("fastspec: %s of the float32 Triton update could not be built on %s "
-                                                  "(%s); the next settings serve", _label(D, dtype, cand), x.device, exc)
+            mark_broken(x, center, cand, str(exc))
             continue
         if verdict is False:
             if forced:
@@ -466,9 +462,9 @@ def _self_check(device: torch.device, dtype: torch.dtype, D: int, center: bool,
 
 
 def mark_broken(x: Tensor, center: bool, candidate: TritonConfig | None, why: str) -> None:
-    """``candidate``'s kernel could not be built for an update of ``x`` (its specialization for
-    this call's shapes and strides): not used again on this device for this dtype, D and
-    convention; :func:`serving` decides anew. Said once."""
+    """``candidate``'s kernel could not be built for an update of ``x`` (at its self-check, or for
+    this call's own specialization of shapes and strides): not used again on this device for
+    this dtype, D and convention; :func:`serving` decides anew. Said once."""
     import logging
 
     name = "fixed" if candidate is None else candidate.name

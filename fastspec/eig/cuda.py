@@ -505,11 +505,9 @@ def _self_check(driver, entry: _Loaded, variant: Variant, spec: DeviceSpec, inde
         status = torch.zeros(B, dtype=torch.int32, device=dev)  # heev's per-matrix status
         ws = torch.empty(p.workspace, dtype=dtype, device=dev) if p.workspace else None  # alive until the sync
         work = ws.data_ptr() if ws is not None else status.data_ptr() if variant.algo in variants.EXTERNAL else 0
-        block = (ctypes.c_uint64 * 16)()
-        base = ctypes.addressof(block)
-        block[8:] = [base + 8 * i for i in range(8)]
-        PARAMS.pack_into(block, 0, A3.data_ptr(), out.data_ptr(), work, B, *A3.stride(), out.stride(0))
-        _launch_on(driver, index, entry.kernel, (p.grid, 1, 1), (variant.threads, 1, 1), p.smem, base + 64)
+        # this thread's parameter block, as run() packs it (no launch of this thread is in flight)
+        PARAMS.pack_into(_params.block, 0, A3.data_ptr(), out.data_ptr(), work, B, *A3.stride(), out.stride(0))
+        _launch_on(driver, index, entry.kernel, (p.grid, 1, 1), (variant.threads, 1, 1), p.smem, _params.address)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         return selfcheck.compare_eigenvalues(out, A, dtype)

@@ -473,11 +473,11 @@ class Probe:
         param = next((p for p in self.model.parameters() if p.is_floating_point()), None)
         if param is None or not selfcheck.enabled() or not selfcheck.applies(param.device):
             return
+        from ..checkpoints.sources import config_architecture
+
         cfg = getattr(self.model, "config", None)
-        hidden = getattr(cfg, "hidden_size", None)
-        heads = getattr(cfg, "num_attention_heads", None)
-        head_dim = getattr(cfg, "head_dim", None) or (hidden // heads if hidden and heads else None)
-        kv = getattr(cfg, "num_key_value_heads", None) or heads or 1
+        arch = config_architecture(cfg.to_dict() if hasattr(cfg, "to_dict") else {})
+        hidden, head_dim, kv = arch["hidden_size"], arch["head_dim"], arch["num_kv_heads"] or 1
         dtypes = tuple(dict.fromkeys((param.dtype, torch.bfloat16)))
         plan = self.sites
         wanted = []
