@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 
 import pytest
 import torch
 from _tiny_models import batch, build
 
 import fastspec
-from fastspec.probe.budget import PAUSE_FACTOR, PAUSE_MIN_STEPS, PAUSE_WINDOW, OverheadBudget
+from fastspec.probe.budget import (
+    PAUSE_FACTOR,
+    PAUSE_MIN_STEPS,
+    PAUSE_WINDOW,
+    OverheadBudget,
+)
 from fastspec.probe.ffn_sampling import (
     DEFAULT_FFN_SHARE,
     auto_ffn_rows,
@@ -564,3 +570,59 @@ def test_probe_left_attached_while_a_twin_trains_reports_the_probed_steps_cost()
     assert (ov["paused_steps"], ov["paused_s"]) == (3, pytest.approx(3 * 15.0))
     assert ov["measured"] == pytest.approx(0.05) and ov["average"] == pytest.approx(0.05)
     assert ov["base_s"] == pytest.approx(59 * 1.0)
+
+
+def test_probe_pause_leaves_out_the_time_between_steps_and_captures_nothing():
+    # a trainer's callback: step() then pause() until the next step's first forward; what the
+    # trainer does in between (logging, evaluation, a checkpoint save) is no step's time, and a
+    # forward in the pause (even a training one) is not captured
+    clock = ManualClock()
+    model, probe = _slow_probe(0.05, clock)
+    inputs = batch(B=2, T=8)
+    probe.attach()
+    probe.pause()                      # as the callbacks attach: paused until the first step starts
+    clock.advance(7.0)                 # an evaluation at start
+    for step in range(5):
+        probe.unpause()
+        model(**inputs)
+        clock.advance(1.0)             # the step's own work
+        probe.step(step)
+        probe.pause()
+        clock.advance(3.0)             # a checkpoint save
+        model(**inputs)                # a forward during the pause: not captured
+    ov = probe.overhead()
+    assert ov["base_s"] == pytest.approx(4 * 1.0)  # every step but the first has a start
+    assert ov["work_s"] == pytest.approx(4 * 0.05)
+    assert ov["paused_steps"] == 0     # told about: nothing for the pause rule to set aside
+    n = {r.value for r in probe.records() if r.metric == "n"}
+    assert not n                       # emit_every=1000: nothing emitted yet; the totals say:
+    assert {int(v) for acc in probe._totals.accs.values() for v in acc.cov.n.flatten()} == {5 * 2 * 8}
+    probe.detach()                     # ends the pause; unpause() after it is a no-op
+    probe.unpause()
+    assert not probe._router.streaming
+
+
+def test_probe_step_during_a_pause_leaves_the_pause_out_and_keeps_pausing():
+    clock = ManualClock()
+    model, probe = _slow_probe(0.05, clock)
+    inputs = batch(B=2, T=8)
+    probe.attach()
+    for step in range(4):
+        with probe.paused():           # the context manager unpauses on leaving
+            clock.advance(2.0)
+        model(**inputs)
+        clock.advance(1.0)
+        probe.pause()
+        clock.advance(4.0)             # paused before and after step(): neither span is step time
+        probe.step(step)
+        clock.advance(4.0)
+        probe.unpause()
+    assert probe.overhead()["base_s"] == pytest.approx(3 * 1.0)
+    assert probe.overhead()["work_s"] == pytest.approx(3 * 0.05)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a step() while paused is attached: no "not attached" warning
+        probe.pause()
+        probe.step(4)
+    probe.detach()
+    probe.pause()                       # not attached: a no-op
+    assert not probe._paused

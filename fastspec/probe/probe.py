@@ -70,7 +70,12 @@ from .routing import Router
 from .sites import CONVENTIONS, Collector, module_sites
 from .timer import StepClock, WorkTimer
 
-__all__ = ["FORWARDS", "RECORD_METRICS", "SPECTRUM_METRICS", "SYNC_MODES", "Probe"]
+__all__ = ["FORWARDS", "RECORD_METRICS", "ROW_SETTINGS", "SPECTRUM_METRICS", "SYNC_MODES", "Probe"]
+
+#: :meth:`Probe.load_state_dict`: settings whose change makes saved accumulators mean other rows
+#: (dropped on restore); the others (``every``, ``emit_every``, ``budget``) are the schedule's.
+ROW_SETTINGS = ("sites", "modules", "key_convention", "ffn_convention", "precision", "row_step",
+                "ffn_row_step", "reset", "tp_rank")
 
 #: ``Probe(forwards=...)``: which forwards streaming captures: ``"train"`` (the model in training
 #: mode with gradients enabled) or ``"all"`` (evaluation forwards too).
@@ -245,6 +250,7 @@ class Probe:
         if forwards == "train":  # an eager forward that does not train is then not step time either
             scope.on_other = self._other_forward
         self._flush_allowed = False        # one step() after detach() is a final one, not a mistake
+        self._paused = False               # pause() .. unpause(): attached, but not streaming nor timed
         self._warned_step = False
         self._warned_sites: set[str] = set()  # sites a streaming emission warned about (once each)
         self._warned_rejected: set[tuple] = set()  # (site, layer)s streamed NaN/Inf rows were named for
@@ -453,6 +459,7 @@ class Probe:
         """
         self._self_checks()
         self._hooks.install()
+        self._paused = False
         self._router.streaming = True
         self._clock.attached()
         return self
@@ -493,7 +500,8 @@ class Probe:
         :meth:`step` may still emit what was accumulated (a final step after training). Until
         :meth:`attach`, time passes as a pause that no step's time includes, unless a
         :meth:`step` comes first (then the span is that step's: its backward ran in it)."""
-        self._flush_allowed = self._router.streaming or self._flush_allowed
+        self._flush_allowed = self._router.streaming or self._paused or self._flush_allowed
+        self._paused = False
         self._router.streaming = False
         self._hooks.remove()
         self._clock.detached()
@@ -520,6 +528,36 @@ class Probe:
             yield self
         finally:
             self.detach()
+
+    def pause(self) -> None:
+        """Time from here to :meth:`unpause` is not training: no forward is captured and no step's
+        time includes it, so the budget counts neither as the probe's cost nor as training. For
+        the work a trainer does between two steps (evaluation, a checkpoint save, logging,
+        fetching the next batch); the trainer callbacks pause from each :meth:`step` to the next
+        step's first forward. Unlike :meth:`detach` the hooks stay installed, so pausing costs
+        nothing. Call :meth:`unpause` before the next training forward and :meth:`step`. No-op
+        when not attached or already paused."""
+        if self._router.streaming and not self._paused:
+            self._paused = True
+            self._router.streaming = False
+            self._clock.detached()
+
+    def unpause(self) -> None:
+        """End a :meth:`pause`: captures stream again and time counts as training again. No-op
+        when not paused (a :meth:`detach` during a pause ends it too)."""
+        if self._paused and self._hooks.installed:
+            self._router.streaming = True
+            self._clock.attached()
+        self._paused = False
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[Probe]:
+        """``with probe.paused(): evaluate()``: :meth:`pause`, and :meth:`unpause` on leaving, also on error."""
+        self.pause()
+        try:
+            yield self
+        finally:
+            self.unpause()
 
     def step(self, step: int, tokens_seen: int | None = None) -> list[Record]:
         """Call once per optimizer step, after its forwards/backward. Streaming bookkeeping:
@@ -556,7 +594,10 @@ class Probe:
         """
         step = _args.integer("step", step)
         tokens_seen = _args.integer("tokens_seen", tokens_seen, minimum=0, optional=True)
-        attached = self._router.streaming
+        paused = self._paused
+        if paused:  # the pause so far is not this step's time; it goes on after the step
+            self._clock.attached()
+        attached = self._router.streaming or paused
         if not attached and not self._flush_allowed and not self._warned_step:
             self._warned_step = True
             warnings.warn("fastspec.Probe: step() was called while the probe is not attached: no forward is "
@@ -587,6 +628,8 @@ class Probe:
                 self._totals.reset()
             self._timer.stop(token, "emit")
         step_s = self._clock.lap()
+        if paused:
+            self._clock.detached()
         # each step's work is judged with that step's time and flags, once its CUDA events are done
         # captures inside a compiled graph are untimed: the budget judges them by step times
         in_graph = self._router.captured_in_graph
@@ -659,8 +702,19 @@ class Probe:
         return self._history.to_dataframe()
 
     # --------------------------------------------------------------- checkpoint
+    def _settings(self) -> dict:
+        """The settings a saved state depends on (:meth:`state_dict`'s ``"settings"``): what the
+        accumulated rows mean (:data:`ROW_SETTINGS`) and the schedule (:data:`SCHEDULE_SETTINGS`)."""
+        plan, b = self.sites, self._budget
+        return {"sites": list(plan.names), "modules": [repr(m) for m in plan.modules],
+                "key_convention": plan.key_convention, "ffn_convention": plan.ffn_convention,
+                "precision": self.settings.precision, "row_step": self.row_step,
+                "ffn_row_step": plan.ffn_row_step, "reset": self.reset_after_emit, "tp_rank": plan.tp_rank,
+                "every": b.base_every, "emit_every": b.base_emit_every, "budget": b.budget}
+
     def state_dict(self) -> dict:
-        """Streaming accumulators, schedule, budget state and the record history."""
+        """Streaming accumulators, schedule, budget state, the record history, and the settings
+        they were made under (:meth:`load_state_dict` compares them)."""
         self._flush(stacklevel=3)
         return {
             "version": 1,
@@ -669,16 +723,44 @@ class Probe:
             "history": self._history.state_dict(),
             "steps_seen": self._steps_seen,
             "budget": self._budget.state_dict(),
+            "settings": self._settings(),
         }
 
     def load_state_dict(self, sd: dict) -> None:
-        """Restore :meth:`state_dict` (accumulators are replaced, not merged)."""
+        """Restore :meth:`state_dict` (accumulators are replaced, not merged).
+
+        The record history and the step count are always restored. When the state was saved
+        under other settings (a run resumed with new ``Probe`` arguments), one ``UserWarning``
+        names each change and:
+
+        * a change of what the accumulated rows mean (:data:`ROW_SETTINGS`: the sites, their
+          conventions, ``precision``, ``row_step``, the FFN sampling, ``reset``, ``tp_rank``)
+          drops the saved accumulators, the tokens seen since the last emission (the next
+          emission covers only tokens from here on; its ``n`` says how many);
+        * a change of the schedule only (``every``, ``emit_every``, ``budget``) keeps them and
+          the last emission's step; the new intervals apply from here, and the budget's
+          measured costs are forgotten (they were judged against the old budget).
+
+        A state saved before settings were kept (no ``"settings"``) is restored as it is.
+        """
         if not isinstance(sd, dict) or sd.get("version") != 1:
             raise ValueError("state_dict: not a fastspec.Probe state_dict (version 1)")
-        self._totals.load(sd["accumulators"])
+        saved, now = sd.get("settings"), self._settings()
+        changed = [] if saved is None else [k for k in now if k in saved and saved[k] != now[k]]
+        rows_changed = any(k in ROW_SETTINGS for k in changed)
+        if changed:
+            what = ", ".join(f"{k} {saved[k]!r} -> {now[k]!r}" for k in changed)
+            dropped = ("the tokens accumulated since its last emission are dropped" if rows_changed else
+                       "its accumulators are kept, the new schedule applies from here")
+            warnings.warn(f"fastspec.Probe: the state was saved under other settings ({what}): {dropped}",
+                          stacklevel=2)
+        self._totals.load([] if rows_changed else sd["accumulators"])
         self._history.load_state_dict(sd["history"])
         self._steps_seen = int(sd["steps_seen"])
-        self._budget.load_state_dict(sd["budget"])
+        if changed:  # when it last emitted, not the intervals or costs of the old settings
+            self._budget.last_emit = int(sd["budget"].get("last_emit", 0))
+        else:
+            self._budget.load_state_dict(sd["budget"])
         self._router.forget_slots()  # a compiled graph must not keep writing the replaced state
         self._router.capture_this_step = self._budget.capture_due(self._steps_seen)
 
