@@ -92,10 +92,34 @@ def _examples() -> dict[str, str]:
 
 
 def test_readme_marks_its_examples():
-    assert set(_examples()) == {"covariance", "probe"}
+    assert set(_examples()) == {"covariance", "probe", "trainer"}
 
 
-@pytest.mark.parametrize("name", ["covariance", "probe"])
+def test_readme_trainer_example_runs_with_a_model_args_and_data(tmp_path):
+    """The trainer block, given what it leaves to the reader (a model, TrainingArguments, a
+    training set and ``Trainer``): it streams, emits at its ``emit_every`` and logs the scalars."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    import torch
+    from _tiny_models import demo_model
+    from transformers import Trainer, TrainingArguments
+
+    # emissions every 2 steps of 4; no budget, which could space them out on a slow machine
+    code = _examples()["trainer"].replace('"emit_every": 100', '"emit_every": 2').replace('"budget": 0.01', '"budget": None')
+    assert code.count("None") == 1, "the example no longer sets emit_every=100, budget=0.01"
+    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2, report_to=[],
+                             use_cpu=True, save_strategy="no", logging_steps=2, disable_tqdm=True)
+    namespace = {"__name__": "__readme__", "Trainer": Trainer, "model": demo_model().train(), "args": args,
+                 "train_dataset": [{"input_ids": i, "labels": i} for i in ids]}
+    exec(compile(code, "README.md:trainer", "exec"), namespace)  # noqa: S102 - the README's own code
+    df, trainer = namespace["df"], namespace["trainer"]
+    assert set(df["protocol"]) == {"stream"} and set(df["step"]) == {2, 4}
+    logged = [h for h in trainer.state.log_history if "fastspec/stream/keys/participation_ratio/mean" in h]
+    assert [h["step"] for h in logged] == [2, 4]
+
+
+@pytest.mark.parametrize("name", ["covariance", "probe"])  # "trainer" needs a model and data: its own test
 def test_readme_example_runs_as_written(name, tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     pytest.importorskip("matplotlib")

@@ -1,5 +1,5 @@
-"""Integrations: push probe records to TensorBoard, W&B, Lightning and HF Trainer, and stream the
-probe inside the OLMo-core and TorchTitan trainers.
+"""Integrations: push probe records to TensorBoard and W&B, and stream the probe inside the
+Hugging Face, Lightning, OLMo-core and TorchTitan trainers.
 
 Each integration lives in its own module and imports its library only there, so
 ``import fastspec`` (and this package) work without any of them:
@@ -7,8 +7,12 @@ Each integration lives in its own module and imports its library only there, so
 =============================  ===============================================
 ``integrations.tensorboard``   ``log_to_tensorboard(writer, records)``
 ``integrations.wandb``         ``log_to_wandb(records, run=None)``
-``integrations.lightning``     ``FastspecCallback`` (``lightning.pytorch.Callback``)
-``integrations.hf``            ``FastspecTrainerCallback`` (``transformers.TrainerCallback``)
+``integrations.lightning``     ``FastspecStreamCallback``: streaming over the training tokens, metrics in
+                               the trainer's loggers, state in its checkpoints (docs/lightning.md);
+                               ``FastspecCallback``: the eval protocol on a fixed batch
+``integrations.hf``            ``FastspecStreamCallback``: streaming over the training tokens, metrics in
+                               the Trainer's logs, state in its checkpoints (docs/hf.md);
+                               ``FastspecTrainerCallback``: the eval protocol on a fixed batch
 ``integrations.olmo_core``     ``FastspecCallback`` (OLMo-core ``Callback``): streaming over the
                                training tokens, metrics in OLMo-core's loggers (docs/olmo_core.md)
 ``integrations.torchtitan``    ``FastspecTrainer`` (a TorchTitan ``Trainer``; config section ``fastspec``):
