@@ -24,7 +24,12 @@ def test_budget_suite_has_one_case_per_budget_on_the_issue_model():
     for tier in ("quick", "cpu", "gpu"):
         got = [(c.suite, c.variant, list(c.baselines), c.claim.text) for c in cases("budget", tier, CPU)]
         assert got == [("budget", f"budget={b:g}-{layout}", ["twin training step (deep copy, own AdamW)"],
-                        "= 0") for layout in ("emit_every=10", "attached") for b in (0.02, 0.05)]
+                        "= 0") for layout in ("emit_every=10", "attached") for b in (0.02, 0.05)] + [
+            ("budget", "budget=0.05-hf-trainer", ["twin Trainer (deep copy, same TrainingArguments)"], "= 0")]
+        assert len({c.size for c in cases("budget", tier, CPU)}) == 1  # the HF row trains the same model
+    # the HF row's checkpoints hold the issue's ≥ 200 MB state where it is measured
+    assert budget_suite.BALLAST_MIB["cpu"] == budget_suite.BALLAST_MIB["gpu"] == 200
+    assert (budget_suite.SAVE_EVERY, budget_suite.HF_BUDGET) == (10, 0.05)
     # the CPU row is the setting the under-report was found on, and a GPU runs the same row
     assert budget_suite.SHAPES["cpu"] == budget_suite.SHAPES["gpu"] == dict(
         hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, head_dim=64,

@@ -107,13 +107,14 @@ def budget_text(row: dict, compact: bool = False) -> str:
     """A ``budget`` suite row (:mod:`fastspec.bench.suites.budget`): the real overhead against the
     twin (and the same model detached) beside what the probe reported over the same steps;
     ``compact`` (the terminal's narrow tables, whose variant names the budget already): without
-    the ratio and the budget."""
+    the ratio and the budget. A row without the same-model baseline (the HF Trainer row: only a
+    twin trainer) shows the real overhead against the twin alone."""
     rep, ratio = row.get("reported_pct"), row.get("reported_to_real")
-    real, same = row["real_overhead_pct"], row["same_model_overhead_pct"]
+    real, same = row["real_overhead_pct"], row.get("same_model_overhead_pct")
     reported = "-" if rep is None else f"{rep:.2f}%"
     if compact:  # under the "overhead" header: 44 columns at most, even at +1234.56%
-        return f"{real:+.2f}% (same {same:+.2f}%), reported {reported}"
-    return (f"real {real:+.2f}% (same model {same:+.2f}%), reported {reported}"
+        return f"{real:+.2f}%{'' if same is None else f' (same {same:+.2f}%)'}, reported {reported}"
+    return (f"real {real:+.2f}%{'' if same is None else f' (same model {same:+.2f}%)'}, reported {reported}"
             f"{'' if ratio is None else f' (×{ratio:.2f})'}, budget {row['budget_pct']:g}%")
 
 

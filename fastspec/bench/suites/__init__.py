@@ -20,7 +20,8 @@ Suites (see benchmarks/README.md), in the order ``fastspec bench`` runs them:
   the key-rank computation alone vs ``svdvals`` per head.
 * ``budget`` (:mod:`~fastspec.bench.suites.budget`): the overhead a budgeted probe reports
   against what it really costs (a twin model and the same model without the probe, interleaved
-  step by step), at budgets of 2% and 5%.
+  step by step), at budgets of 2% and 5%; and a Hugging Face ``Trainer`` with the streaming
+  callback, evaluating and saving checkpoints, against a twin trainer.
 * ``train_step_compiled`` (:mod:`~fastspec.bench.suites.train_step`): ``train_step`` with both
   sides through ``torch.compile(fullgraph=True)`` (inductor on CUDA, ``aot_eager`` on CPU).
   Last: its compilation is the slowest setup of all.
