@@ -391,7 +391,10 @@ def test_ddp_two_ranks_stream_the_records_of_one_process(ddp):
 @pytest.mark.serial
 def test_ddp_checkpoint_resumes_on_one_process(ddp, tmp_path):
     """The 2-rank checkpoint at step 3 (accumulators of both ranks merged), resumed on 1 process
-    with the per-device batch doubled: the records of the 1-process run that never stopped."""
-    out = _torchrun(tmp_path, 1, "--batch", "4", "--resume", str(ddp["two_dir"] / "trainer" / "checkpoint-3"))[0]
+    with the accumulation doubled (the same rows per optimizer step): the records of the 1-process
+    run that never stopped. The per-device batch stays 2: transformers 5.1 resumes with the
+    checkpoint's per-device batch size, whatever the arguments say."""
+    out = _torchrun(tmp_path, 1, "--batch", str(BATCH), "--accumulate", str(2 * ACCUMULATE),
+                    "--resume", str(ddp["two_dir"] / "trainer" / "checkpoint-3"))[0]
     assert out["warnings"] == []
     _assert_close(_values(out["records"]), _values(ddp["one"]["records"]), rel=1e-10)
