@@ -367,6 +367,9 @@ def ddp(tmp_path_factory) -> dict:
             "one": _torchrun(one, 1, "--batch", "4")[0]}
 
 
+# slow: three torchrun launches (~30 s on 2 cores, serial); the fast tier keeps the ranks' merge and
+# the distributed checkpoint state without a trainer (tests/test_stream_state.py)
+@pytest.mark.slow
 @pytest.mark.serial  # 2 ranks fill a 2-core machine: run alone (as tests/test_integration_*.py)
 def test_ddp_two_ranks_stream_the_records_of_one_process(ddp):
     """float64 model, float64 products: the 2-rank records (merged on rank 0, emitted once) equal
@@ -388,6 +391,7 @@ def test_ddp_two_ranks_stream_the_records_of_one_process(ddp):
     assert len(keys) == 2 and all(e["state"]["n"].tolist() == [2 * BATCH * ACCUMULATE * SEQ] for e in keys)
 
 
+@pytest.mark.slow
 @pytest.mark.serial
 def test_ddp_checkpoint_resumes_on_one_process(ddp, tmp_path):
     """The 2-rank checkpoint at step 3 (accumulators of both ranks merged), resumed on 1 process

@@ -229,6 +229,9 @@ def ddp_run(tmp_path_factory):
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)], out
 
 
+# slow: a torchrun launch and a resume (~20 s on 2 cores, serial); the fast tier keeps the ranks'
+# merge and the distributed checkpoint state without a trainer (tests/test_stream_state.py)
+@pytest.mark.slow
 @pytest.mark.serial  # 2 ranks fill a 2-core machine
 def test_ddp_streams_the_records_of_one_process_and_its_checkpoint_resumes_on_one(ddp_run, tmp_path):
     ranks, out = ddp_run
