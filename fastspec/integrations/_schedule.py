@@ -1,5 +1,6 @@
 """What the Lightning and HF callbacks share: building the probe, moving the batch, the schedule,
-checking ``alerts``, one scheduled measurement."""
+checking ``alerts`` (and the streaming callbacks' ``probe``/``probe_kwargs``), one scheduled
+measurement."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
@@ -21,6 +22,21 @@ def check_alerts(alerts):
         raise TypeError(f"alerts: expected a fastspec.integrations.alerts.RankCollapseAlert or None, "
                         f"got {type(alerts).__name__}")
     return alerts
+
+
+def check_probe(probe, probe_kwargs, factory: str = "model -> Probe") -> None:
+    """The streaming callbacks' ``probe`` (a ``Probe``, a factory ``factory``, or None) and
+    ``probe_kwargs`` (a dict or None; not with ``probe``), checked."""
+    from ..probe import Probe
+
+    if probe_kwargs is not None and not isinstance(probe_kwargs, dict):
+        raise _args.ArgumentTypeError(f"probe_kwargs: expected a dict of fastspec.Probe arguments or None, "
+                                      f"got {type(probe_kwargs).__name__}")
+    if not (probe is None or isinstance(probe, Probe) or callable(probe)):
+        raise _args.ArgumentTypeError(f"probe: expected a fastspec.Probe, a factory {factory}, or None, "
+                                      f"got {type(probe).__name__}")
+    if probe is not None and probe_kwargs is not None:
+        raise ValueError("probe_kwargs: given together with probe=; pass one of them")
 
 
 def to_device(batch, device: torch.device):

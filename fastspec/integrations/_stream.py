@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _args
-from ._schedule import check_alerts
+from ._schedule import check_alerts, check_probe
 
 STATE_VERSION = 1
 
@@ -66,14 +66,7 @@ class Stream:
     def __init__(self, probe, probe_kwargs, tokens_per_step, prefix, alerts):
         from ..probe import Probe
 
-        if probe_kwargs is not None and not isinstance(probe_kwargs, dict):
-            raise _args.ArgumentTypeError(f"probe_kwargs: expected a dict of fastspec.Probe arguments or None, "
-                                          f"got {type(probe_kwargs).__name__}")
-        if not (probe is None or isinstance(probe, Probe) or callable(probe)):
-            raise _args.ArgumentTypeError(f"probe: expected a fastspec.Probe, a factory model -> Probe, or None, "
-                                          f"got {type(probe).__name__}")
-        if probe is not None and probe_kwargs is not None:
-            raise ValueError("probe_kwargs: given together with probe=; pass one of them")
+        check_probe(probe, probe_kwargs)
         self.tokens_per_step = _args.integer("tokens_per_step", tokens_per_step, minimum=1, optional=True)
         self.prefix = _args.text("prefix", prefix)
         self.alerts = check_alerts(alerts)
@@ -95,7 +88,7 @@ class Stream:
 
         model = _unwrap_compiled(model)
         if self.probe is not None and self.probe.model is not model:
-            if self._factory is None and self.probe_kwargs is None and self._built is None:
+            if self._built is not self.probe:  # the user's own Probe
                 raise ValueError("probe: it was built on another model than the trainer's; build it on the "
                                  "model you train, or pass a factory model -> Probe")
             self.finish()  # this callback trains a new model (a new trainer): a probe of its own

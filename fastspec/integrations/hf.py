@@ -3,6 +3,11 @@ tokens (docs/hf.md); :class:`FastspecTrainerCallback` runs the eval-protocol pro
 (docs/protocols.md) on a fixed batch, on a schedule."""
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+
+import torch
 from transformers import TrainerCallback
 
 from ._schedule import check_alerts, check_every, make_probe, measure
@@ -68,11 +73,9 @@ STATE_FILE = "fastspec_probe.pt"
 
 
 def _caller(kind: type, depth: int = 8):
-    """The nearest object of type ``kind`` that is ``self`` in one of the calling frames: the
-    ``CallbackHandler`` dispatching an event, or the ``Trainer`` that runs the loop (callbacks are
-    handed neither). None when not called from there."""
-    import sys
-
+    """The nearest object of type ``kind`` that is ``self`` in one of the ``depth`` frames above
+    the caller's: the ``CallbackHandler`` dispatching an event (callbacks are not handed it).
+    None when not called from there."""
     frame = sys._getframe(2)
     for _ in range(depth):
         if frame is None:
@@ -89,9 +92,6 @@ def _resumed_from(args, state) -> str | None:
     Trainer's own argument (read off its training loop's frame; ``True`` is resolved there to the
     last checkpoint already), else ``{output_dir}/checkpoint-{global_step}``; None when training
     starts fresh."""
-    import os
-    import sys
-
     if state.global_step == 0:
         return None
     frame = sys._getframe(1)
@@ -196,17 +196,11 @@ class FastspecStreamCallback(TrainerCallback):
                     cbs.insert(at, _ConsoleFilter(self.prefix))
         elif not self._reporters_warned:
             self._reporters_warned = True
-            import warnings
-
             warnings.warn("fastspec: FastspecStreamCallback could not put itself before the report_to "
                           "integrations; its scalars reach trainer_state.json and the callbacks after it only",
                           stacklevel=3)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        import os
-
-        import torch
-
         if model is None:
             raise ValueError("model: the Trainer passed no model to the callback")
         self._go_first()
@@ -218,8 +212,6 @@ class FastspecStreamCallback(TrainerCallback):
             if os.path.isfile(path):
                 stream.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
             else:
-                import warnings
-
                 warnings.warn(f"fastspec: resuming from {resumed}, which holds no {STATE_FILE}: streaming "
                               f"starts afresh at step {state.global_step} (records before it are not in "
                               f"callback.records)", stacklevel=2)
@@ -254,10 +246,6 @@ class FastspecStreamCallback(TrainerCallback):
             last.update(values)
 
     def on_save(self, args, state, control, **kwargs):
-        import os
-
-        import torch
-
         if self._stream.probe is None:
             return
         saved = self._stream.state_dict()  # a collective: every rank calls it; rank 0 gets the state

@@ -24,7 +24,7 @@ from olmo_core.train.callbacks import Callback, ConsoleLoggerCallback
 from olmo_core.train.common import MetricMergeStrategy
 
 from .. import _args
-from ._schedule import check_alerts
+from ._schedule import check_alerts, check_probe
 
 __all__ = ["TESTED", "FastspecCallback"]
 
@@ -117,14 +117,7 @@ class FastspecCallback(Callback):
     def __post_init__(self):
         from ..probe import Probe
 
-        if self.probe_kwargs is not None and not isinstance(self.probe_kwargs, dict):
-            raise _args.ArgumentTypeError(f"probe_kwargs: expected a dict of fastspec.Probe arguments or None, "
-                                          f"got {type(self.probe_kwargs).__name__}")
-        if not (self.probe is None or isinstance(self.probe, Probe) or callable(self.probe)):
-            raise _args.ArgumentTypeError(f"probe: expected a fastspec.Probe, a factory (model, process_group=) "
-                                          f"-> Probe, or None, got {type(self.probe).__name__}")
-        if self.probe is not None and self.probe_kwargs is not None:
-            raise ValueError("probe_kwargs: given together with probe=; pass one of them")
+        check_probe(self.probe, self.probe_kwargs, factory="(model, process_group=) -> Probe")
         _args.choice("emit_on", self.emit_on, EMIT_ON)
         _args.text("prefix", self.prefix)
         self.alerts = check_alerts(self.alerts)

@@ -129,6 +129,19 @@ def budget_cases(tier: str, device: torch.device) -> list[Case]:
             + [hf_trainer_case(tier, device)])
 
 
+def _probed_step(inp: Inputs) -> None:
+    """The runner's short timing of a case's probed side: a plain training step and ``probe.step``
+    (under the streaming context in the plain rows; the HF row's is its trainer's probe)."""
+    _train(inp["model"], inp["opt"], inp["ids"])
+    inp["probe"].step(inp["step"][0])
+    inp["step"][0] += 1
+
+
+def _twin_step(inp: Inputs) -> None:
+    """The runner's short timing of the twin: the same step of the deep copy, its own AdamW."""
+    _train(inp["twin"], inp["twin_opt"], inp["ids"])
+
+
 def _train(model, opt, ids: torch.Tensor) -> None:
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
@@ -265,14 +278,6 @@ def _budget_case(tier: str, device: torch.device, budget: float, block: int = 1)
                 "opt": torch.optim.AdamW(model.parameters(), lr=1e-5),
                 "twin_opt": torch.optim.AdamW(twin.parameters(), lr=1e-5)}
 
-    def probed(inp: Inputs) -> None:  # the runner's short timing, under the streaming context
-        _train(inp["model"], inp["opt"], inp["ids"])
-        inp["probe"].step(inp["step"][0])
-        inp["step"][0] += 1
-
-    def twin(inp: Inputs) -> None:
-        _train(inp["twin"], inp["twin_opt"], inp["ids"])
-
     def check(inp: Inputs) -> dict:
         model, ids = inp["model"], inp["ids"]
         # training forwards (gradients on): what streaming captures; no backward, the weights stay
@@ -286,8 +291,8 @@ def _budget_case(tier: str, device: torch.device, budget: float, block: int = 1)
     return Case(suite="budget", size="train_step-" + models.size_id("cpu", shape, tokens),
                 # the attached rows' name stays short: the terminal's tables are at most 140 columns
                 variant=f"budget={budget:g}-attached" if block > 1 else f"budget={budget:g}-emit_every={EMIT_EVERY}",
-                setup=setup, fastspec=probed,
-                baselines={"twin training step (deep copy, own AdamW)": twin}, check=check,
+                setup=setup, fastspec=_probed_step,
+                baselines={"twin training step (deep copy, own AdamW)": _twin_step}, check=check,
                 error_kind="|Δloss| with probe", claim=exactly_zero(), skip=models.requirements(),
                 fastspec_context=lambda inp: inp["probe"].streaming())
 
@@ -536,7 +541,12 @@ def hf_trainer_run(inp: Inputs, device: torch.device, warmup: int, window_s: flo
     returns its row fields."""
     import os
 
-    from transformers import PrinterCallback, ProgressCallback, Trainer, TrainingArguments
+    from transformers import (
+        PrinterCallback,
+        ProgressCallback,
+        Trainer,
+        TrainingArguments,
+    )
     from transformers.utils import logging as hf_logging
 
     from ...integrations.hf import FastspecStreamCallback
@@ -666,14 +676,6 @@ def hf_trainer_case(tier: str, device: torch.device, pauses: bool = True) -> Cas
                 "opt": torch.optim.AdamW(model.parameters(), lr=1e-5),
                 "twin_opt": torch.optim.AdamW(twin.parameters(), lr=1e-5)}
 
-    def probed(inp: Inputs) -> None:  # the runner's short timing: the trainer's probe, a plain step
-        _train(inp["model"], inp["opt"], inp["ids"])
-        inp["probe"].step(inp["step"][0])
-        inp["step"][0] += 1
-
-    def twin(inp: Inputs) -> None:
-        _train(inp["twin"], inp["twin_opt"], inp["ids"])
-
     def check(inp: Inputs) -> dict:
         import shutil
 
@@ -698,7 +700,7 @@ def hf_trainer_case(tier: str, device: torch.device, pauses: bool = True) -> Cas
 
     return Case(suite="budget", size="train_step-" + models.size_id("cpu", shape, tokens),
                 variant=f"budget={HF_BUDGET:g}-hf-trainer" if pauses else f"budget={HF_BUDGET:g}-hf-no-pause",
-                setup=setup, fastspec=probed,
-                baselines={"twin Trainer (deep copy, same TrainingArguments)": twin}, check=check,
+                setup=setup, fastspec=_probed_step,
+                baselines={"twin Trainer (deep copy, same TrainingArguments)": _twin_step}, check=check,
                 error_kind="|Δloss| with probe", claim=exactly_zero(), skip=models.requirements(),
                 fastspec_context=lambda inp: inp["probe"].streaming(), teardown=teardown)
