@@ -50,7 +50,9 @@ _P = r"(?:.*\.)?"  # any module prefix (model., base_model., transformer., ...)
 NORM_LAYOUTS = ("head", "head_first", "flat")
 
 
-LAYOUTS = ("BTHD", "BHTD")
+LAYOUTS = ("BTHD", "BHTD", "TBHD")
+#: ``Family(mask=...)``: how a model call's ``attention_mask`` marks padding (``hooks.ForwardScope``)
+MASK_RULES = ("keep", "megatron")
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,8 @@ class AttentionInputs:
     tuple of ints that indexes into nested tuples (``(0, 1)``: ``args[0][1]``, for a module called
     with one ``(q, k, v)`` tuple, as OLMo-core's attention backends are); ``query=None`` when the
     queries are not there. ``layout`` is the axes of those tensors: ``"BTHD"`` (batch, tokens,
-    heads, head width) or ``"BHTD"``. Keys arrive per KV head (before any GQA repeat), which is
+    heads, head width), ``"BHTD"`` or ``"TBHD"`` (tokens first: Megatron-core's ``[s, b, groups,
+    d_head]``); the last two are read as transposed views, no copy. Keys arrive per KV head (before any GQA repeat), which is
     what the key-rank protocol measures.
     """
 
@@ -109,6 +112,17 @@ class Family:
     ``"olmo_core.nn.transformer."``) this family is found for when the model has no
     ``config.model_type``; any class in the model's MRO counts, so wrappers that subclass the
     model (FSDP2's ``fully_shard``) keep it.
+
+    ``seq_first``: the model's activations are ``[T, B, ...]`` (tokens first, Megatron-core), so
+    the FFN inputs ``[T, B, d_ff]`` are read as ``[B, T, d_ff]`` views (no copy), for token
+    sampling and the padding mask. ``layer_number``: an attribute of the layer module (the
+    module named by a pattern up to its group 1, e.g. ``decoder.layers.0``) that holds the layer's
+    1-based global number, used instead of group 1 (Megatron's ``layer_number``: under pipeline
+    parallelism a stage's ``layers.0`` is some later layer of the model). ``mask``: how the
+    ``attention_mask`` of a model call marks padding: ``"keep"`` (a 2-D ``[B, T]`` mask, nonzero
+    for real tokens; other masks are the model's own and count every token) or ``"megatron"``
+    (a boolean ``[B, 1, T, T]`` mask, True where attention is masked out: a token that no query
+    may attend to is padding; a 2-D mask is read as ``"keep"``).
     """
 
     ffn: str | None
@@ -120,6 +134,9 @@ class Family:
     rotary: bool | None = None
     attention: AttentionInputs | None = None
     model_classes: tuple[str, ...] = ()
+    seq_first: bool = False
+    layer_number: str | None = None
+    mask: str = "keep"
 
     def __post_init__(self):
         if self.norm_layout not in NORM_LAYOUTS:
@@ -131,6 +148,10 @@ class Family:
         if not all(isinstance(c, str) and c for c in classes):
             raise ValueError(f"model_classes: expected module-path prefixes (strings), got {self.model_classes!r}")
         object.__setattr__(self, "model_classes", classes)
+        if self.mask not in MASK_RULES:
+            raise ValueError(f"mask: expected one of {MASK_RULES}, got {self.mask!r}")
+        if self.layer_number is not None and not (isinstance(self.layer_number, str) and self.layer_number):
+            raise ValueError(f"layer_number: expected an attribute name or None, got {self.layer_number!r}")
 
     @property
     def has_rotary(self) -> bool:
@@ -185,6 +206,18 @@ FAMILIES["torchtitan"] = Family(
     attention=AttentionInputs(_P + r"layers\.(\d+)\.attention\.inner_attention", query=0, key=1),
     rotary=True, model_classes=("torchtitan.models.",))
 
+# Megatron-core's GPTModel (docs/megatron.md), from get_gpt_layer_local_spec() or the Transformer
+# Engine spec: decoder.layers[i].self_attention.core_attention(query, key, value, attention_mask, ...)
+# with query [s, b, heads, d_head] and key [s, b, query groups, d_head] after RoPE (and after
+# q/k_layernorm), mlp.linear_fc2 on [s, b, d_ff]; layer i of a pipeline stage is global layer
+# layer_number - 1. Its Q/K norms are left out, as OLMo-core's are.
+FAMILIES["megatron"] = Family(
+    ffn=_P + r"decoder\.layers\.(\d+)\.mlp\.linear_fc2",
+    attention=AttentionInputs(_P + r"decoder\.layers\.(\d+)\.self_attention\.core_attention",
+                              query=0, key=1, layout="TBHD"),
+    rotary=True, model_classes=("megatron.core.models.gpt.",), seq_first=True,
+    layer_number="layer_number", mask="megatron")
+
 # Unknown decoder families usually follow the Llama layout; used with a warning.
 DEFAULT_FAMILY = _DECODER
 
@@ -214,29 +247,53 @@ def plain_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
 
 
-def matches(model: nn.Module, pattern: str | None) -> list[tuple[str, nn.Module, int | None]]:
+def matches(model: nn.Module, pattern: str | None, number: str | None = None) -> list[tuple[str, nn.Module, int | None]]:
     """``(name, module, layer)`` of every module whose full name (:func:`plain_name`)
     ``re.fullmatch``-es ``pattern`` (layer: group 1 of the pattern, else :func:`layer_of`);
-    ``[]`` for ``pattern=None``. ``name`` is the module's real name in ``model``."""
+    ``[]`` for ``pattern=None``. ``name`` is the module's real name in ``model``.
+
+    ``number`` (a family's ``layer_number``): the layer is ``getattr(layer module, number) - 1``,
+    the layer module being the one whose name is the match up to the end of group 1 (Megatron's
+    global layer numbers); a layer module without that attribute raises."""
     if pattern is None:
         return []
     rx = re.compile(pattern)
+    named = list(model.named_modules())
+    by_plain = {plain_name(n): m for n, m in named} if number is not None else {}
     out = []
-    for name, mod in model.named_modules():
-        m = rx.fullmatch(plain_name(name))
-        if m:
-            out.append((name, mod, int(m.group(1)) if m.groups() else layer_of(name, mod)))
+    for name, mod in named:
+        plain = plain_name(name)
+        m = rx.fullmatch(plain)
+        if not m:
+            continue
+        layer = int(m.group(1)) if m.groups() else layer_of(name, mod)
+        if number is not None and m.groups():
+            owner = by_plain.get(plain[:m.end(1)])
+            value = getattr(owner, number, None)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"layer_number: the layer module {plain[:m.end(1)]!r} has no {number!r} "
+                                 f"attribute holding its 1-based global number (got {value!r})")
+            layer = value - 1
+        out.append((name, mod, layer))
     return out
 
 
 def ffn_modules(model: nn.Module, family: Family) -> list[tuple[str, nn.Module, int | None]]:
     """:func:`matches` of ``family.ffn``: the FFN down projections; raises if there are none."""
-    found = matches(model, family.ffn)
+    found = matches(model, family.ffn, family.layer_number)
     if not found:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         raise ValueError(f"ffn: no module matches the FFN down-projection pattern {family.ffn!r} in this "
                          f"model (model_type {model_type!r}); register the family in fastspec.probe.FAMILIES, "
                          f"or pass ffn=False (keys need no family; docs/protocols.md)")
+    for name, mod, _ in found:
+        # Megatron-core's row-parallel down projection: under tensor parallelism each rank holds
+        # input_size_per_partition of the input_size hidden units, never a whole FFN row
+        part, whole = getattr(mod, "input_size_per_partition", None), getattr(mod, "input_size", None)
+        if isinstance(part, int) and isinstance(whole, int) and part < whole:
+            raise ValueError(f"ffn: tensor parallelism splits the FFN hidden units over ranks ({name} takes "
+                             f"{part} of {whole} on this rank), so no rank holds whole FFN rows and their "
+                             f"covariance cannot be taken here; pass ffn=False (keys stay exact per query group)")
     return found
 
 
@@ -255,9 +312,26 @@ def _check_prerope(model: nn.Module, model_type: str, family: Family) -> None:
                          f"is no pre-RoPE key module to hook; use keys=True (post-RoPE)")
 
 
+class ModelChunks(nn.ModuleList):
+    """Several modules probed as one model: the model chunks of Megatron's pipeline schedules
+    (virtual pipeline parallelism hands a stage a list of them). Each chunk's own ``forward``
+    counts (:class:`ForwardScope` hooks every chunk); the container itself is never called."""
+
+    def forward(self, *args, **kwargs):
+        raise TypeError("model: a list of model chunks is not one callable model; run each chunk "
+                        "(Megatron's pipeline schedule does), or probe one chunk")
+
+
+def roots(model: nn.Module) -> list[nn.Module]:
+    """The modules whose own ``forward`` is the probed model's: the chunks of a :class:`ModelChunks`,
+    else the model."""
+    return list(model) if isinstance(model, ModelChunks) else [model]
+
+
 def _family_of_class(model: nn.Module) -> tuple[str, Family] | None:
-    """The registered family whose ``model_classes`` names a class of ``model`` (its MRO)."""
-    modules = [f"{cls.__module__}.{cls.__qualname__}" for cls in type(model).__mro__]
+    """The registered family whose ``model_classes`` names a class of ``model`` (its MRO; of the
+    first chunk, for :class:`ModelChunks`)."""
+    modules = [f"{cls.__module__}.{cls.__qualname__}" for cls in type(roots(model)[0]).__mro__]
     for name, family in FAMILIES.items():
         if any(m.startswith(prefix) for prefix in family.model_classes for m in modules):
             return name, family
@@ -298,7 +372,7 @@ def resolve_family(model: nn.Module, needs_family: bool, prerope_keys: bool, fam
     elif needs_family:
         raise ValueError("model: keys/queries/ffn/prerope_keys sites need a Hugging Face model "
                          "(with .config.model_type), a model of a registered trainer (OLMo-core, "
-                         "TorchTitan) or family=...; for other models pass keys=False, ffn=False "
+                         "TorchTitan, Megatron-core) or family=...; for other models pass keys=False, ffn=False "
                          "and choose sites with modules=")
     else:
         return None

@@ -72,6 +72,8 @@ def ffn_widths(model: nn.Module, family: Family | None) -> list[int]:
         if not isinstance(d, int):
             d = getattr(mod, "nx", None)  # transformers Conv1D (GPT-2)
         if not isinstance(d, int):
+            d = getattr(mod, "input_size", None)  # Megatron-core's RowParallelLinear (whole width)
+        if not isinstance(d, int):
             d = getattr(getattr(model, "config", None), "intermediate_size", None)
         if isinstance(d, int) and d > 0:
             widths.append(d)

@@ -29,7 +29,15 @@ from torch import Tensor, nn
 
 from .._trace import assume_constant_result
 from . import hf_attention
-from .families import AttentionInputs, Family, ffn_modules, layer_of, matches, plain_name
+from .families import (
+    AttentionInputs,
+    Family,
+    ffn_modules,
+    layer_of,
+    matches,
+    plain_name,
+    roots,
+)
 from .sites import ModuleSite
 
 # capture(slot, x, *, headed, convention, head_offset=0, stream_row_step=None)
@@ -78,11 +86,21 @@ def first_tensor(obj) -> Tensor | None:
     return None
 
 
-def as_bool_mask(mask) -> Tensor | None:
-    """A 2-D ``[B, T]`` keep-mask from an HF ``attention_mask`` (1 = real token), else None."""
-    if not isinstance(mask, Tensor) or mask.dim() != 2:
+def as_bool_mask(mask, rule: str = "keep") -> Tensor | None:
+    """A 2-D ``[B, T]`` keep-mask from a model call's ``attention_mask``, else None.
+
+    ``rule`` (``Family.mask``): ``"keep"``, an HF mask ``[B, T]`` (nonzero = real token; any other
+    shape is the model's own business: None); ``"megatron"``, also a boolean ``[B, 1, Tq, Tk]``
+    mask with True where attention is masked out (Megatron-core's), whose key token ``j`` is
+    padding when no query may attend to it: ``keep[b, j] = any_i ~mask[b, 0, i, j]`` (a causal
+    mask keeps every token: query ``j`` attends to itself). One reduction on the device, no sync."""
+    if not isinstance(mask, Tensor):
         return None
-    return mask if mask.dtype == torch.bool else mask != 0
+    if mask.dim() == 2:
+        return mask if mask.dtype == torch.bool else mask != 0
+    if rule == "megatron" and mask.dim() == 4 and mask.dtype == torch.bool and mask.shape[1] == 1:
+        return (~mask[:, 0]).any(dim=1)
+    return None
 
 
 def at_position(args: tuple, path: tuple[int, ...]):
@@ -140,6 +158,15 @@ def _from_bhtd(callback):
     return bhtd
 
 
+def _from_tbhd(callback):
+    """``callback(module, query, key)`` taking rows ``[B, T, H, D]``, as a callback taking
+    tokens-first ``[T, B, H, D]`` tensors (Megatron-core's ``[s, b, heads, d]``; transposed views)."""
+    def tbhd(module, query, key):
+        callback(module, *(t.transpose(0, 1) if isinstance(t, Tensor) and t.dim() == 4 else t
+                           for t in (query, key)))
+    return tbhd
+
+
 def positional_index(fn, name: str) -> int | None:
     """Position of parameter ``name`` among ``fn``'s positional arguments (worked out once, so the
     pre-hook that runs on every forward, traced or not, needs no ``inspect``)."""
@@ -183,7 +210,7 @@ def check_mask(mask, tokens: Tensor | None, cached: bool) -> None:
                      f"input_ids/inputs_embeds{', with a KV cache' if cached else ''}), got {list(mask.shape)}")
 
 
-_SCOPES: "weakref.WeakValueDictionary[str, ForwardScope]" = weakref.WeakValueDictionary()
+_SCOPES: weakref.WeakValueDictionary[str, ForwardScope] = weakref.WeakValueDictionary()
 _scope_keys = itertools.count()
 
 
@@ -200,10 +227,14 @@ def _traced_forward(key: str, training: bool) -> bool:
 
 
 class ForwardScope:
-    """Depth of the probed model's own ``forward`` and the ``attention_mask`` it was called with."""
+    """Depth of the probed model's own ``forward`` and the ``attention_mask`` it was called with.
 
-    def __init__(self, model: nn.Module):
-        self._pos = {name: positional_index(model.forward, name)
+    ``mask_rule`` (``Family.mask``): how that mask marks padding (:func:`as_bool_mask`)."""
+
+    def __init__(self, model: nn.Module, mask_rule: str = "keep"):
+        self.mask_rule = mask_rule
+        forward = roots(model)[0].forward
+        self._pos = {name: positional_index(forward, name)
                      for name in ("attention_mask", "input_ids", "inputs_embeds", *CACHE_ARGS)}
         self.depth = 0
         self.mask: Tensor | None = None
@@ -245,7 +276,7 @@ class ForwardScope:
                 _traced_forward(self.key, self.training)
             else:  # eager: checked and converted once per forward, not once per capture
                 check_mask(mask, tokens, cached)
-                self.mask = as_bool_mask(mask)
+                self.mask = as_bool_mask(mask, self.mask_rule)
                 if not self.training and self.on_other is not None:
                     self.on_other(True)
                 self.trained += self.training
@@ -295,9 +326,11 @@ class ForwardScope:
         mask = self.mask
         if mask is not None and torch.compiler.is_compiling():
             check_mask(mask, *self._call)  # shape guards of the model's own graph: free at run time
-            mask = mask if mask.dim() == 2 else None
+            mask = as_bool_mask(mask, self.mask_rule)
         if mask is None or x.dim() - (2 if headed else 1) < 2:
             return None
+        if mask.shape[0] == 1 and x.shape[0] > 1 and self.mask_rule == "megatron":
+            mask = mask.expand(x.shape[0], -1)  # Megatron broadcasts one [1, 1, T, T] mask over the batch
         if mask.shape[0] != x.shape[0] or mask.shape[1] < x.shape[1]:
             raise ValueError(f"attention_mask: shape {list(mask.shape)} does not cover the token rows "
                              f"{list(x.shape[:2])} ([B, T]) of the {site or 'probed'} activations")
@@ -381,8 +414,9 @@ class Hooks:
     # ---------------------------------------------------------------- per site
     def _install_into(self, handles: list) -> None:
         model, plan = self.model, self.plan
-        handles.append(model.register_forward_pre_hook(self.scope.start, with_kwargs=True))
-        handles.append(model.register_forward_hook(self.scope.end, always_call=True))
+        for root in roots(model):
+            handles.append(root.register_forward_pre_hook(self.scope.start, with_kwargs=True))
+            handles.append(root.register_forward_hook(self.scope.end, always_call=True))
         if plan.keys or plan.queries:
             self._install_attention(handles)
         if plan.ffn:
@@ -412,7 +446,8 @@ class Hooks:
     def _attention_modules(self) -> dict[nn.Module, int]:
         spec = self._attention_inputs
         if spec is not None:  # a family that names the modules receiving q/k (non-HF models)
-            found = {mod: layer for _, mod, layer in matches(self.model, spec.module) if layer is not None}
+            found = {mod: layer for _, mod, layer in matches(self.model, spec.module, self.family.layer_number)
+                     if layer is not None}
             if not found:
                 raise ValueError(f"keys/queries: no module matches the attention pattern {spec.module!r} "
                                  f"(with a layer index) in this model; check the family "
@@ -463,6 +498,8 @@ class Hooks:
         query_pos, key_pos = spec.query, spec.key
         if spec.layout == "BHTD":
             callback = _from_bhtd(callback)
+        elif spec.layout == "TBHD":
+            callback = _from_tbhd(callback)
 
         def hook(module, args):
             key = at_position(args, key_pos)
@@ -513,11 +550,14 @@ class Hooks:
 
     def _ffn_hook(self, layer: int | None):
         plan, capture, slot, scope = self.plan, self._capture, self._slot("ffn", layer), self.scope
+        seq_first = self.family.seq_first
 
         def hook(module, args):
             x = first_tensor(args)
             if x is not None and x.is_floating_point():
                 x, _ = local_part(x, None, "ffn")
+                if seq_first and x.dim() == 3:  # [T, B, d_ff] (Megatron) as a [B, T, d_ff] view
+                    x = x.transpose(0, 1)
                 capture(slot, scope.token_rows(x), headed=False, convention=plan.ffn_convention,
                         stream_row_step=plan.ffn_row_step)
         return hook

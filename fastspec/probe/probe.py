@@ -60,7 +60,7 @@ from ..covariance.policy import UpdateSettings
 from . import checks
 from .budget import OverheadBudget
 from .emission import RECORD_METRICS, SPECTRUM_METRICS, SYNC_MODES, Emitter
-from .families import resolve_family
+from .families import ModelChunks, resolve_family
 from .ffn_sampling import choose_ffn_rows
 from .history import History
 from .hooks import ForwardScope, Hooks, SitePlan, positional_index
@@ -82,13 +82,35 @@ ROW_SETTINGS = ("sites", "modules", "key_convention", "ffn_convention", "precisi
 FORWARDS = ("train", "all")
 
 
-def _unwrap_compiled(model: nn.Module) -> nn.Module:
-    """``torch.compile(model)`` and DDP return wrappers around the eager module: probe that one
-    (its hooks are the compiled wrapper's too; :meth:`Probe.measure` runs it eagerly)."""
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        model = model.module
-    orig = getattr(model, "_orig_mod", None)
-    return orig if isinstance(orig, nn.Module) else model
+# Megatron-core's wrappers around a model chunk (its DistributedDataParallel and FSDP in
+# megatron.core.distributed, Float16Module), each holding the chunk as ``.module``
+_MEGATRON_WRAPPERS = ("megatron.core.distributed.", "megatron.core.transformer.module.Float16Module")
+
+
+def _is_megatron_wrapper(model: nn.Module) -> bool:
+    path = f"{type(model).__module__}.{type(model).__qualname__}"
+    return path.startswith(_MEGATRON_WRAPPERS) and isinstance(getattr(model, "module", None), nn.Module)
+
+
+def _unwrap_compiled(model):
+    """``torch.compile(model)``, torch's DDP and Megatron-core's DDP/``Float16Module`` return wrappers
+    around the eager module: probe that one (its hooks are the compiled wrapper's too;
+    :meth:`Probe.measure` runs it eagerly). A list or tuple of modules (Megatron's model chunks)
+    becomes one :class:`~fastspec.probe.families.ModelChunks` of the unwrapped chunks."""
+    if isinstance(model, (list, tuple)) and not isinstance(model, nn.Module):
+        if not model or not all(isinstance(m, nn.Module) for m in model):
+            raise TypeError("model: expected a torch.nn.Module or a non-empty list of them (model chunks)")
+        chunks = [_unwrap_compiled(m) for m in model]
+        return chunks[0] if len(chunks) == 1 else ModelChunks(chunks)
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel) or _is_megatron_wrapper(model):
+            model = model.module
+            continue
+        orig = getattr(model, "_orig_mod", None)
+        if isinstance(orig, nn.Module):
+            model = orig
+            continue
+        return model
 
 
 def _force_eager():
@@ -108,9 +130,11 @@ class Probe:
         model: an ``nn.Module``; attention sites need a Hugging Face ``PreTrainedModel``
             (a family listed in ``fastspec.probe.FAMILIES``, or any model using the attention
             interface) or a model of a family that says where its attention receives queries
-            and keys (OLMo-core, TorchTitan: ``family``); FFN sites need a known family;
-            ``modules`` work on any module. Probe the model whose ``forward`` the training loop
-            calls: only that forward counts (not a checkpoint's recompute in backward).
+            and keys (OLMo-core, TorchTitan, Megatron-core: ``family``); FFN sites need a known
+            family; ``modules`` work on any module. Probe the model whose ``forward`` the
+            training loop calls: only that forward counts (not a checkpoint's recompute in
+            backward). A list of modules is probed as one model whose chunks are called one by
+            one (Megatron's model chunks, each unwrapped from Megatron's DDP/``Float16Module``).
         keys, queries, ffn, prerope_keys: which built-in sites to probe.
         modules: extra sites: a glob, a :class:`ModuleSite`, or a list of them. A site that
             matches no module of the model raises here, as does a site name used twice.
@@ -195,8 +219,8 @@ class Probe:
                  budget: float | None = None, ffn_rows: int | str = "auto", sync: str = "all",
                  process_group=None, tp_rank: int = 0, cuda_graphs: bool = False,
                  clock: Callable[[], float] | None = None, family=None, forwards: str = "train"):
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(model, (nn.Module, list, tuple)):
+            raise TypeError(f"model: expected a torch.nn.Module (or a list of model chunks), got {type(model).__name__}")
         keys, queries = _args.flag("keys", keys), _args.flag("queries", queries)
         ffn, prerope_keys = _args.flag("ffn", ffn), _args.flag("prerope_keys", prerope_keys)
         self.reset_after_emit = _args.flag("reset", reset)
@@ -236,7 +260,7 @@ class Probe:
         self._checked = False  # the first-use self-checks of attach() (_self_checks) have run
         self._timer = WorkTimer(clock)
         self._totals = Collector(self.settings)  # the streaming totals (all captures between emissions)
-        scope = ForwardScope(self.model)
+        scope = ForwardScope(self.model, self.family.mask if self.family is not None else "keep")
         self._router = Router(self._totals, scope, self._timer, self.row_step,
                               cuda_graphs=_args.flag("cuda_graphs", cuda_graphs), all_forwards=forwards == "all")
         self._hooks = Hooks(self.model, self.sites, self.family, self._router.capture, self._router.slot, scope,
