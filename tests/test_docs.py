@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
 DOC_PAGES = ("README.md", "accumulators.md", "conventions.md", "metrics.md", "fits.md",
              "protocols.md", "environment.md", "kernels.md", "alerts.md", "analysis.md", "analyze.md",
-             "olmo_core.md", "torchtitan.md", "hf.md", "lightning.md")
+             "olmo_core.md", "torchtitan.md", "hf.md", "lightning.md", "megatron.md")
 
 
 def _files(*patterns: str, exclude: Iterable[Path] = ()) -> list[Path]:

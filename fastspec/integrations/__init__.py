@@ -1,5 +1,5 @@
 """Integrations: push probe records to TensorBoard and W&B, and stream the probe inside the
-Hugging Face, Lightning, OLMo-core and TorchTitan trainers.
+Hugging Face, Lightning, OLMo-core and TorchTitan trainers and Megatron-core training loops.
 
 Each integration lives in its own module and imports its library only there, so
 ``import fastspec`` (and this package) work without any of them:
@@ -17,6 +17,8 @@ Each integration lives in its own module and imports its library only there, so
                                training tokens, metrics in OLMo-core's loggers (docs/olmo_core.md)
 ``integrations.torchtitan``    ``FastspecTrainer`` (a TorchTitan ``Trainer``; config section ``fastspec``):
                                streaming during pre-training, FSDP/TP/compile (docs/torchtitan.md)
+``integrations.megatron``      ``FastspecStream(model)``: streaming in a Megatron-core loop, one ``step(iteration)``
+                               per optimizer step, DP/TP/PP, Megatron-LM's writers (docs/megatron.md)
 ``integrations.alerts``        ``RankCollapseAlert(threshold=, drop=).check(records)``: rank-collapse
                                alerts, also ``alerts=`` of both callbacks (docs/alerts.md)
 =============================  ===============================================
