@@ -74,13 +74,17 @@ def add_arguments(p: argparse.ArgumentParser, *, out_required: bool = True) -> a
 def install_cpu_shims() -> None:
     """What a CPU run of Megatron-core needs (never done on a GPU): Megatron allocates RoPE tables,
     pipeline receive buffers and its DDP grad buffers on ``torch.cuda.current_device()``, syncs the
-    device around pipeline sends (``torch.cuda.synchronize()``), and its schedules count tokens in
-    ``torch.zeros([], device="cuda")``: here the first is the CPU, the second does nothing, and
-    the schedules' zeros are made on the CPU."""
+    device around pipeline sends (``torch.cuda.synchronize()``), its DDP (0.17+) waits on
+    ``torch.cuda.current_stream()``, and its schedules count tokens in ``torch.zeros([],
+    device="cuda")``: here the first is the CPU, the second and the waits do nothing, and the
+    schedules' zeros are made on the CPU."""
     from megatron.core.pipeline_parallel import schedules
 
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args, **kwargs: None
+    # megatron-core 0.17+: DDP's grad sync waits on the current stream for CUDA-graph replays (none here)
+    torch.cuda.current_stream = lambda *args, **kwargs: types.SimpleNamespace(
+        wait_event=lambda event: None, wait_stream=lambda stream: None)
 
     class CpuTorch(types.ModuleType):  # torch as Megatron's schedules see it: zeros on the CPU
         def __getattr__(self, name):

@@ -4,7 +4,8 @@ tests/_megatron_train.py): building one, a batch for it, and the shims its CPU r
 Megatron-core runs on CPU, gloo, without TransformerEngine or apex (``get_gpt_layer_local_spec()``),
 once its CUDA-only calls are shimmed here (never in the library): ``torch.cuda.current_device``
 (RoPE and the pipeline's receive buffers allocate on it) returns ``"cpu"``, ``torch.cuda.synchronize``
-(``dist_checkpointing.save`` and the pipeline's batched p2p call it) does nothing, the pipeline
+(``dist_checkpointing.save`` and the pipeline's batched p2p call it) does nothing, so does waiting
+on ``torch.cuda.current_stream()`` (megatron-core 0.17+'s DistributedDataParallel), the pipeline
 schedules' token counter (``torch.zeros(..., device="cuda")``) is made on the CPU, activation
 recomputation saves and restores no CUDA RNG state (there is none), and the tensor-parallel
 RNG tracker is seeded with ``inference_rng_tracker=True`` (no CUDA generator). The local attention
@@ -29,7 +30,7 @@ def install_shims():
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random
 
-    saved = torch.cuda.current_device, torch.cuda.synchronize
+    saved = torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.current_stream
     saved_megatron = schedules.torch, random._get_cuda_rng_state, random._set_cuda_rng_state
 
     def current_device():  # Megatron allocates RoPE tables and p2p buffers there
@@ -38,6 +39,9 @@ def install_shims():
     torch.cuda.current_device = current_device
     # dist_checkpointing.save syncs before writing; the pipeline's batched p2p (batch_p2p_sync) after each exchange
     torch.cuda.synchronize = lambda *args, **kwargs: None
+    # megatron-core 0.17+: DistributedDataParallel's grad sync waits on the current stream for the
+    # events of CUDA-graph replays (none here)
+    torch.cuda.current_stream = lambda *args, **kwargs: _NO_STREAM
     # forward_backward_func counts tokens in torch.zeros([], device="cuda"): made on the CPU
     schedules.torch = _CpuTorch("torch")
     # activation recomputation (tensor_parallel.checkpoint) saves and restores the CUDA RNG state
@@ -46,9 +50,22 @@ def install_shims():
     random._set_cuda_rng_state = lambda *args, **kwargs: None
 
     def restore():
-        torch.cuda.current_device, torch.cuda.synchronize = saved
+        torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.current_stream = saved
         schedules.torch, random._get_cuda_rng_state, random._set_cuda_rng_state = saved_megatron
     return restore
+
+
+class _NoStream:
+    """``torch.cuda.current_stream()`` on the CPU (test shim): waiting on it is a no-op."""
+
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+
+_NO_STREAM = _NoStream()
 
 
 class _CpuTorch(types.ModuleType):

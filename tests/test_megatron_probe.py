@@ -401,3 +401,21 @@ def test_import_fastspec_does_not_import_megatron():
     res = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120,
                          cwd=root)
     assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_stream_under_tensor_parallelism_leaves_ffn_out(monkeypatch):
+    """Under TP > 1 (the world size faked here) the stream leaves the FFN site out with a warning
+    unless ``ffn`` is given, and refuses ``keys`` when the query groups do not split over the ranks."""
+    import fastspec.integrations.megatron as module
+
+    monkeypatch.setattr(module.parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
+    model = M.gpt(M.config(layers=1))
+    with pytest.warns(UserWarning, match=r"tensor parallelism \(2 ranks\) splits the FFN hidden units"):
+        stream = module.FastspecStream(model)
+    assert stream.probe.sites.names == ["keys"]
+    stream.finish()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # ffn given: no warning
+        module.FastspecStream(model, probe_kwargs={"ffn": False}).finish()
+    with pytest.raises(ValueError, match="keys: 1 query groups do not split over 2 tensor-parallel ranks"):
+        module.FastspecStream(M.gpt(M.config(layers=1, groups=1)))

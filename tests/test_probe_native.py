@@ -182,7 +182,7 @@ def test_bad_families_and_positions_raise_one_line():
     with pytest.raises(ValueError, match=r"^query: expected a position"):
         AttentionInputs("x", query="q")
     with pytest.raises(ValueError, match=r"^layout: expected one of"):
-        AttentionInputs("x", layout="TBHD")
+        AttentionInputs("x", layout="HTBD")
     with pytest.raises(TypeError, match=r"^attention: expected a fastspec.probe.AttentionInputs"):
         Family(ffn=None, attention="blocks")
     for err in (ValueError, TypeError):
