@@ -143,11 +143,30 @@ def partial_json(path: Path | None, doc: dict):
     return save
 
 
+@contextlib.contextmanager
+def _sigterm_held():
+    """SIGTERM held back inside the block (delivered, and :func:`sigterm_as_time_cap`'s handler run,
+    as it ends): a write and its rename are not cut apart. Where signals cannot be masked
+    (Windows), nothing is held."""
+    mask = getattr(signal, "pthread_sigmask", None)
+    if mask is None:
+        yield
+        return
+    previous = mask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        mask(signal.SIG_SETMASK, previous)
+
+
 def write_json(path: Path, doc: dict, *, quiet: bool = False) -> None:
-    """Write ``doc`` atomically (a reader, or a kill mid-write, never sees half a file)."""
+    """Write ``doc`` atomically (a reader, or a kill mid-write, never sees half a file); a SIGTERM
+    during the write waits for it and its rename, so no ``.tmp`` file is left behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    text = json.dumps(doc, indent=1, ensure_ascii=False) + "\n"
+    with _sigterm_held():
+        tmp.write_text(text)
+        os.replace(tmp, path)
     if not quiet:
         print(f"wrote {path}")
