@@ -50,12 +50,13 @@ def megatron():
 
 class Inputs:
     """What the core attentions and ``linear_fc2`` modules of a model received while its own
-    forward ran with gradients on (a training forward; not a recompute in backward):
+    forward ran with gradients on (a training forward; not a recompute in backward; ``training=False``:
+    any forward of the model's own, e.g. ``measure()``'s under ``no_grad``):
     ``keys[layer]`` rows ``[N, groups, d]`` and ``ffn[layer]`` rows ``[N, d_ff]`` of the real tokens
     (``keep`` of each call), float64."""
 
-    def __init__(self, model, number=lambda i: i):
-        self.keys, self.ffn, self.keep, self._in = {}, {}, None, False
+    def __init__(self, model, number=lambda i: i, training=True):
+        self.keys, self.ffn, self.keep, self._in, self.training = {}, {}, None, False, training
         self.handles = [model.register_forward_pre_hook(self._start), model.register_forward_hook(self._end)]
         for i, layer in enumerate(model.decoder.layers):
             self.handles.append(layer.self_attention.core_attention.register_forward_pre_hook(
@@ -63,7 +64,7 @@ class Inputs:
             self.handles.append(layer.mlp.linear_fc2.register_forward_pre_hook(self._grab(self.ffn, number(i), 0)))
 
     def _start(self, module, args):
-        self._in = torch.is_grad_enabled()
+        self._in = torch.is_grad_enabled() or not self.training
 
     def _end(self, module, args, out):
         self._in = False
@@ -205,13 +206,12 @@ def test_measure_and_wrappers():
     probe = Probe(wrapped, ffn_rows="all")
     assert probe.model is model
     data = M.batch(5, pad=(0, 3))
-    inputs = Inputs(model)
-    inputs._start = lambda *a: None
-    inputs._in = True
+    inputs = Inputs(model, training=False)  # measure() runs under no_grad
     inputs.keep = data["keep"]
     got = _values(probe.measure({k: data[k] for k in ("input_ids", "position_ids", "attention_mask")}, step=0),
                   "keys", "participation_ratio")
     inputs.remove()
+    assert sorted(inputs.keys) == [0, 1]
     for layer, rows in inputs.keys.items():
         for g, want in _key_pr(rows).items():
             assert got[(0, "keys", layer, g, "participation_ratio")] == pytest.approx(want, rel=1e-6)

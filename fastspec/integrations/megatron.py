@@ -201,16 +201,16 @@ class FastspecStream:
         """Whether this rank is the logging rank (keeps :attr:`records`, writes the loggers)."""
         return (dist.get_rank() if _dist() else 0) == self.log_rank
 
-    def _gather_group(self) -> tuple[Any, list[int]] | None:
-        """The model-parallel group (tensor × pipeline) of the logging rank and its ranks, when this
-        rank is in it; None otherwise (or with no model parallelism: nothing to gather)."""
+    def _gather_group(self) -> Any:
+        """The model-parallel group (tensor × pipeline) of the logging rank, when this rank is in it;
+        None otherwise (or with no model parallelism: nothing to gather)."""
         if not _parallel():
             return None
         group = parallel_state.get_model_parallel_group()
         ranks = dist.get_process_group_ranks(group)
         if len(ranks) == 1 or self.log_rank not in ranks:
             return None
-        return group, ranks
+        return group
 
     # ------------------------------------------------------------------ training
     def step(self, iteration: int, tokens_seen: int | None = None) -> list:
@@ -256,9 +256,8 @@ class FastspecStream:
         """Gather the buffered records of the logging rank's model-parallel group to the logging
         rank; there, add them to :attr:`records`, log them and check the alerts."""
         mine, self._buffer = self._buffer, []
-        gather = self._gather_group()
-        if gather is not None:
-            group, _ = gather
+        group = self._gather_group()
+        if group is not None:
             parts = [None] * dist.get_world_size(group) if self.emits else None
             dist.gather_object(mine, parts, dst=self.log_rank, group=group)
             new = _one_overhead([r for part in (parts or []) for r in part]) if self.emits else []
