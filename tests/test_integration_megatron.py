@@ -19,51 +19,25 @@ A run takes 8–11 s, most of it imports; runs are cached per module.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from _integrations import ROOT, runner
 
 pytest.importorskip("megatron.core")
 # each run trains 2 torchrun ranks, which fill a 2-core machine: run alone
 pytestmark = pytest.mark.serial
 
-ROOT = Path(__file__).resolve().parents[1]
 HARNESS = ROOT / "tests" / "_megatron_train.py"
 STEPS, EMIT_EVERY = 6, 2
 EMISSIONS = (2, 4, 6)
 BASE = ("--layers", "4", "--pad")
-_CACHE: dict[tuple, list[dict]] = {}
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["OMP_NUM_THREADS"] = "1"  # two ranks on two cores
-    return env
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """``run(*args, nproc=2)`` -> each rank's output of the harness (cached per argument list)."""
-
-    def _run(*args: str, nproc: int = 2, out: Path | None = None) -> list[dict]:
-        key = (nproc, *args)
-        if key not in _CACHE:
-            folder = out or tmp_path_factory.mktemp("megatron_run")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                   str(HARNESS), "--out", str(folder), "--emit-every", str(EMIT_EVERY), *args]
-            res = subprocess.run(cmd, check=False, env=_env(), capture_output=True, text=True, timeout=170)
-            if res.returncode != 0:
-                pytest.fail(f"{' '.join(cmd[3:])} failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}", pytrace=False)
-            _CACHE[key] = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(nproc)]
-        return _CACHE[key]
-
-    return _run
+    return runner(tmp_path_factory, HARNESS, "--emit-every", str(EMIT_EVERY), paths=(ROOT / "tests",))
 
 
 def _reference(run) -> list[dict]:

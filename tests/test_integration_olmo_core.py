@@ -18,53 +18,27 @@ takes 5–15 s; runs are cached per module, so tests sharing one pay for it once
 """
 from __future__ import annotations
 
-import importlib
-import json
 import math
-import os
 import subprocess
 import sys
-import warnings
-from pathlib import Path
 
 import pytest
+from _integrations import ROOT, check_version_warning, env, runner
 
 pytest.importorskip("olmo_core")
 # each test trains under torchrun with 2 ranks, which fill a 2-core machine: run alone (a second
 # worker beside them made the stage slower, 192 -> 214 s, and brings the runs' timeouts closer)
 pytestmark = pytest.mark.serial
 
-ROOT = Path(__file__).resolve().parents[1]
 HARNESS = ROOT / "tests" / "_olmo_core_train.py"
 STEPS, EMIT_EVERY, TOKENS_PER_STEP = 6, 2, 4 * 32  # the harness's defaults: 4 sequences of 32 tokens
 EMISSIONS = (2, 4, 6)
-_CACHE: dict[tuple, list[dict]] = {}
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["OMP_NUM_THREADS"] = "1"  # two ranks on two cores
-    return env
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """``run(*args, nproc=2)`` -> each rank's output of the harness (cached per argument list)."""
-
-    def _run(*args: str, nproc: int = 2) -> list[dict]:
-        key = (nproc, *args)
-        if key not in _CACHE:
-            out = tmp_path_factory.mktemp("olmo_core_run")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                   str(HARNESS), "--out", str(out), "--steps", str(STEPS), *args]
-            res = subprocess.run(cmd, check=False, env=_env(), capture_output=True, text=True, timeout=170)
-            if res.returncode != 0:
-                pytest.fail(f"{' '.join(cmd[3:])} failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}", pytrace=False)
-            _CACHE[key] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
-        return _CACHE[key]
-
-    return _run
+    return runner(tmp_path_factory, HARNESS, "--steps", str(STEPS))
 
 
 def _values(records) -> dict[tuple, float]:
@@ -192,32 +166,18 @@ def test_good_arguments_are_kept():
 
 @pytest.mark.parametrize("version, warns", [("3.1.0", True), ("2.4.1", True), ("3.0.0", False), ("3.0.9", False)])
 def test_untested_olmo_core_version_warns_once_at_import(monkeypatch, version, warns):
-    from importlib import metadata
-
     import fastspec.integrations.olmo_core as module
 
-    real = metadata.version
-    monkeypatch.setattr(metadata, "version", lambda name: version if name == "ai2-olmo-core" else real(name))
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            importlib.reload(module)
-        mine = [w for w in caught if "ai2-olmo-core" in str(w.message)]
-        assert len(mine) == int(warns)
-        if warns:
-            message = str(mine[0].message)
-            assert module.TESTED in message and version in message and "\n" not in message
-    finally:
-        monkeypatch.undo()
-        importlib.reload(module)
+    check_version_warning(monkeypatch, module, "ai2-olmo-core", version, warns)
 
 
 def test_version_range_without_packaging(monkeypatch):
     """The fallback compare (no ``packaging``) agrees with the specifier."""
     import fastspec.integrations.olmo_core as module
+    from fastspec.integrations._versions import in_range
 
     monkeypatch.setitem(sys.modules, "packaging.specifiers", None)  # import raises ImportError
-    assert [module._in_range(v) for v in ("3.0.0", "3.0.12", "3.1.0", "2.9.9", "4.0", "dev")] == [
+    assert [in_range(v, module.TESTED) for v in ("3.0.0", "3.0.12", "3.1.0", "2.9.9", "4.0", "dev")] == [
         True, True, False, False, False, False]
 
 
@@ -226,5 +186,5 @@ def test_import_fastspec_integrations_does_not_import_olmo_core():
             "assert 'olmo_core' not in sys.modules, sorted(m for m in sys.modules if 'olmo' in m)\n"
             "import fastspec.integrations.olmo_core\n"
             "assert 'olmo_core' in sys.modules\n")
-    res = subprocess.run([sys.executable, "-c", code], check=False, env=_env(), capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sys.executable, "-c", code], check=False, env=env(), capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from _integrations import env
 from _tiny_models import demo_model
 
 import fastspec
@@ -341,18 +341,11 @@ def test_bad_arguments_are_one_line_errors_naming_the_argument(kwargs, name, kin
 
 
 # ------------------------------------------------------------------------ DDP (torchrun)
-def _env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["OMP_NUM_THREADS"] = "1"  # two ranks on two cores
-    return env
-
-
 def _torchrun(out: Path, nproc: int, *args: str) -> list[dict]:
     """The harness under torchrun: each rank's ``rank{r}.json``."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(HARNESS), "--out", str(out), *args]
-    res = subprocess.run(cmd, check=False, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    res = subprocess.run(cmd, check=False, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
     if res.returncode != 0:
         pytest.fail(f"{' '.join(cmd[3:])} failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}", pytrace=False)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]

@@ -28,7 +28,6 @@ and ``import fastspec.integrations`` work without it. Another version warns once
 from __future__ import annotations
 
 import warnings
-from importlib import metadata
 from typing import Any
 
 import torch.distributed as dist
@@ -36,6 +35,7 @@ from megatron.core import parallel_state
 
 from .. import _args
 from ._schedule import check_alerts, check_probe
+from ._versions import warn_if_untested
 
 __all__ = ["TESTED", "FastspecStream"]
 
@@ -46,26 +46,7 @@ _STATE_VERSION = 1
 CHECKPOINT_KEY = "fastspec.stream"
 
 
-def _warn_if_untested() -> None:
-    try:
-        version = metadata.version("megatron-core")
-    except metadata.PackageNotFoundError:  # a source checkout on sys.path: nothing to compare
-        return
-    try:
-        from packaging.specifiers import SpecifierSet
-        from packaging.version import InvalidVersion, Version
-    except ImportError:  # packaging is a megatron-core dependency; nothing to compare without it
-        return
-    try:
-        tested = Version(version) in SpecifierSet(TESTED, prereleases=True)
-    except InvalidVersion:
-        tested = False
-    if not tested:
-        warnings.warn(f"fastspec.integrations.megatron is tested with megatron-core{TESTED}; "
-                      f"megatron-core {version} is installed", stacklevel=3)
-
-
-_warn_if_untested()
+warn_if_untested(__name__, "megatron-core", TESTED)
 
 
 def _dist() -> bool:

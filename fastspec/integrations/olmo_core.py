@@ -16,7 +16,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib import metadata
 from typing import Any
 
 import torch.distributed as dist
@@ -25,6 +24,7 @@ from olmo_core.train.common import MetricMergeStrategy
 
 from .. import _args
 from ._schedule import check_alerts, check_probe
+from ._versions import warn_if_untested
 
 __all__ = ["TESTED", "FastspecCallback"]
 
@@ -34,43 +34,7 @@ EMIT_ON = ("rank0", "all")
 _STATE_VERSION = 1
 
 
-def _installed_version() -> str | None:
-    try:
-        return metadata.version("ai2-olmo-core")
-    except metadata.PackageNotFoundError:  # e.g. a source checkout on sys.path: nothing to compare
-        return None
-
-
-def _in_range(version: str) -> bool:
-    """Whether ``version`` satisfies :data:`TESTED` (``packaging`` if installed, else the leading
-    ``major.minor`` compared as ints, which is all :data:`TESTED` names)."""
-    try:
-        from packaging.specifiers import SpecifierSet
-        from packaging.version import InvalidVersion, Version
-    except ImportError:
-        SpecifierSet = None
-    if SpecifierSet is not None:
-        try:
-            return Version(version) in SpecifierSet(TESTED, prereleases=True)
-        except InvalidVersion:
-            return False
-    parts = []
-    for p in version.split(".")[:2]:
-        digits = "".join(ch for ch in p if ch.isdigit()) if p[:1].isdigit() else ""
-        if not digits:
-            return False
-        parts.append(int(digits))
-    return (3, 0) <= tuple(parts) < (3, 1)
-
-
-def _warn_if_untested() -> None:
-    version = _installed_version()
-    if version is not None and not _in_range(version):
-        warnings.warn(f"fastspec.integrations.olmo_core is tested with ai2-olmo-core{TESTED}; "
-                      f"ai2-olmo-core {version} is installed", stacklevel=3)
-
-
-_warn_if_untested()
+warn_if_untested(__name__, "ai2-olmo-core", TESTED)
 
 
 def _dist() -> bool:
