@@ -20,7 +20,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 import subprocess
 import sys
 import warnings
@@ -33,6 +32,7 @@ pl = pytest.importorskip("lightning.pytorch")
 pytest.importorskip("transformers")
 
 import _lightning_stream_train as harness
+from _integrations import env
 from lightning.pytorch.loggers import CSVLogger, Logger
 
 import fastspec
@@ -217,13 +217,10 @@ def ddp_run(tmp_path_factory):
     """``tests/_lightning_stream_train.py`` on 2 ranks (2 rows each a step, 6 steps, an epoch of
     3 steps) with a checkpoint every 3 steps; each rank's output and the run's folder."""
     out = tmp_path_factory.mktemp("lightning_ddp")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["OMP_NUM_THREADS"] = "1"  # two ranks on two cores
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "tests" / "_lightning_stream_train.py"), "--out", str(out), "--steps", "6", "--batch", "2",
            "--rows", "12", "--ckpt-every", "3"]
-    res = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=240)
+    res = subprocess.run(cmd, check=False, env=env(), capture_output=True, text=True, timeout=240)
     if res.returncode != 0:
         pytest.fail(f"torchrun failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}", pytrace=False)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)], out
