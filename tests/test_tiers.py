@@ -271,6 +271,39 @@ def test_ci_runs_the_full_tier_and_the_kit_dry_run_under_the_gpu_stack():
     assert not [line for line in ci.splitlines() if "-m pytest" in line and " -m " in line.split("-m pytest", 1)[1]]
 
 
+
+def test_ci_ends_with_each_failed_stage_and_why(tmp_path):
+    """CI's log is read from its end: a stage that fails (here the oldest one, its virtual
+    environment refused for want of disk, as a full disk refuses the gpu-stack's ~5 GB of CUDA
+    torch) is named in the last lines with the error it printed and the disk space left then."""
+    import shutil
+    import subprocess
+    import sys
+
+    (tmp_path / ".ci").mkdir()
+    for name in (".ci/run", "pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "python3"  # refuses `-m venv` as a full disk does; runs the rest (the closing table)
+    fake.write_text("#!/bin/sh\n"
+                    'if [ "$1" = -m ] && [ "$2" = venv ]; then\n'
+                    '  echo "WARNING: Location \'file:///opt/x/\' is ignored: it is neither a file nor a directory." >&2\n'
+                    '  echo "Error: [Errno 28] No space left on device: \'$3/bin\'" >&2; exit 1\n'
+                    "fi\n"
+                    f'exec "{sys.executable}" "$@"\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "CI_STAGES": "oldest",
+           "TMPDIR": str(tmp_path)}
+    res = subprocess.run(["bash", str(tmp_path / ".ci" / "run")], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 1, res.stdout + res.stderr
+    last = res.stdout.rstrip().splitlines()[-1]
+    assert last.startswith("  why oldest: Error: [Errno 28] No space left on device"), res.stdout
+    assert re.search(r"\[\d+\.\d GB free\]$", last), last
+    assert "=== CI: oldest in" in res.stdout and "failed: oldest" in res.stdout
+    assert not list(tmp_path.glob("fastspec-ci.*"))  # its scratch folder, logs included, is gone
+
 def _bench_conftest():
     import importlib.util
     spec = importlib.util.spec_from_file_location("_bench_conftest", ROOT / "benchmarks" / "conftest.py")
