@@ -271,7 +271,6 @@ def test_ci_runs_the_full_tier_and_the_kit_dry_run_under_the_gpu_stack():
     assert not [line for line in ci.splitlines() if "-m pytest" in line and " -m " in line.split("-m pytest", 1)[1]]
 
 
-
 def test_ci_ends_with_each_failed_stage_and_why(tmp_path):
     """CI's log is read from its end: a stage that fails (here the oldest one, its virtual
     environment refused for want of disk, as a full disk refuses the gpu-stack's ~5 GB of CUDA
@@ -300,9 +299,10 @@ def test_ci_ends_with_each_failed_stage_and_why(tmp_path):
     assert res.returncode == 1, res.stdout + res.stderr
     last = res.stdout.rstrip().splitlines()[-1]
     assert last.startswith("  why oldest: Error: [Errno 28] No space left on device"), res.stdout
-    assert re.search(r"\[\d+\.\d GB free\]$", last), last
+    assert re.search(r"\[\d+\.\d GB free on /\S*\]$", last), last
     assert "=== CI: oldest in" in res.stdout and "failed: oldest" in res.stdout
     assert not list(tmp_path.glob("fastspec-ci.*"))  # its scratch folder, logs included, is gone
+
 
 def _bench_conftest():
     import importlib.util
