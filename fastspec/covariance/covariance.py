@@ -7,6 +7,7 @@ State per site, on the device of the data, with no host sync on :meth:`Covarianc
     mean     [*sites, D]      float64 running mean (track_mean=True)
     m2       [*sites, D, D]   float64 centered sum Σ(x − mean)(x − mean)ᵀ (track_mean=True)
     gram     [*sites, D, D]   float64 raw Σxxᵀ (track_mean=False)
+                              (both float32 with ``totals=torch.float32``)
     sum      [*sites, D]      float64 raw Σx (track_mean=False)
     rejected [*sites]         int64   rows refused because they held NaN/Inf
 
@@ -35,6 +36,8 @@ from . import ops
 from .policy import UpdateSettings, solve_dtype
 
 CONVENTIONS = ("eig", "sv")
+#: dtypes the ``[*sites, D, D]`` totals may have (``Covariance(totals=...)``)
+TOTALS = (torch.float64, torch.float32)
 
 
 def _shape_arg(dim: Any) -> tuple[int, ...]:
@@ -120,6 +123,10 @@ class Covariance:
             :class:`~fastspec.covariance.policy.UpdateSettings`, already checked (what a
             :class:`fastspec.Probe` hands its accumulators); instead of ``precision``/``backend``,
             not with them. The choice in effect: :attr:`settings` (``.precision``, ``.backend``).
+        totals: dtype of the ``[*sites, D, D]`` totals (``m2`` or ``gram``): ``torch.float64``
+            (default) or ``torch.float32``, half the memory for a wide site, at the cost
+            docs/scale.md measures per metric (the counts, means and sums stay int64/float64).
+            ``backend="inplace"`` then forms its products in float32 too (``policy.py``).
 
     Example::
 
@@ -130,11 +137,14 @@ class Covariance:
 
     def __init__(self, dim: int | tuple[int, ...], *, device: torch.device | str | None = None,
                  track_mean: bool = True, backend: str = "auto", precision: str = "auto",
-                 settings: UpdateSettings | None = None):
+                 settings: UpdateSettings | None = None, totals: torch.dtype = torch.float64):
         shape = _shape_arg(dim)
         self.sites: tuple[int, ...] = shape[:-1]
         self.D: int = shape[-1]
         self.track_mean = _args.flag("track_mean", track_mean)
+        if totals not in TOTALS:
+            raise ValueError(f"totals: expected torch.float64 or torch.float32, got {totals!r}")
+        self.totals: torch.dtype = totals
         if settings is None:
             settings = UpdateSettings(precision, backend)
         elif not isinstance(settings, UpdateSettings):
@@ -177,10 +187,10 @@ class Covariance:
         }
         if self.track_mean:
             st["mean"] = torch.zeros(S, D, **f64)
-            st["m2"] = torch.zeros(S, D, D, **f64)
+            st["m2"] = torch.zeros(S, D, D, dtype=self.totals, device=device)
         else:
             st["sum"] = torch.zeros(S, D, **f64)
-            st["gram"] = torch.zeros(S, D, D, **f64)
+            st["gram"] = torch.zeros(S, D, D, dtype=self.totals, device=device)
         self._state = st
         self._device = device
 
@@ -212,6 +222,16 @@ class Covariance:
         if self._state is not None:
             for t in self._state.values():
                 t.zero_()
+
+    def free(self) -> None:
+        """Drop the state (its memory goes back to the allocator); the next update allocates it
+        anew, zero, on the device of its rows. For a probe whose wide sites take turns."""
+        self._state = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the state tensors (0 before the first update or after :meth:`free`)."""
+        return 0 if self._state is None else sum(t.numel() * t.element_size() for t in self._state.values())
 
     def _out(self, t: Tensor, trailing: int) -> Tensor:
         return t.reshape((*self.sites, *t.shape[t.dim() - trailing:]))
@@ -419,6 +439,7 @@ class Covariance:
         return {
             "dim": (*self.sites, self.D),
             "track_mean": self.track_mean,
+            "totals": str(self.totals).removeprefix("torch."),
             "state": None if self._state is None else dict(self._state),
         }
 
@@ -434,10 +455,15 @@ class Covariance:
             self._state = None
             return
         device = self._device or next(iter(state.values())).device
-        self._state = {k: v.detach().to(device).clone() for k, v in state.items()}
+        second = "m2" if self.track_mean else "gram"
+        # the totals keep this accumulator's dtype (a float64 state loaded into float32 totals
+        # is rounded once, a float32 one widened exactly)
+        self._state = {k: v.detach().to(device=device, dtype=self.totals if k == second else v.dtype).clone()
+                       for k, v in state.items()}
         self._device = device
 
     def __repr__(self) -> str:
         where = "empty" if self._state is None else str(self._device)
+        totals = "" if self.totals == torch.float64 else ", totals=torch.float32"
         return (f"Covariance(dim={(*self.sites, self.D)}, track_mean={self.track_mean}, "
-                f"backend={self.backend!r}, {where})")
+                f"backend={self.backend!r}{totals}, {where})")

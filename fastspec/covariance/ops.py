@@ -59,18 +59,20 @@ _settings = functools.lru_cache(maxsize=None)(UpdateSettings)
 __all__ = ["chan_merge", "covariance_update", "covariance_update_op", "exact_update", "fold_gate", "merge_sums"]
 
 
-def merge_sums(st: dict[str, Tensor], track_mean: bool, n_b: Tensor, c: Tensor, s: Tensor, G: Tensor,
+def merge_sums(st: dict[str, Tensor], track_mean: bool, n_b: Tensor, c: Tensor, s: Tensor, G: Tensor | None,
                rejected: Tensor) -> None:
     """Merge one chunk's sums about shift ``c`` (``s = Σ(x−c)``, ``G = Σ(x−c)(x−c)ᵀ``, ``n_b``
     rows, ``rejected`` refused) into the totals ``st`` (``n``, ``rejected`` and ``mean``/``m2``
-    or ``sum``/``gram``), in place."""
+    or ``sum``/``gram``), in place. ``G=None``: it was added to the ``D × D`` totals already
+    (``inplace.py``)."""
     nb = n_b.to(torch.int64)
     st["rejected"] += rejected.to(torch.int64)
     s64 = s.double()
     if not track_mean:
         # raw sums: every path takes them about c = 0
         st["sum"] += s64
-        st["gram"] += G
+        if G is not None:
+            st["gram"] += G
         st["n"] += nb
         return
     inv_nb = 1 / nb.double().clamp_min(1)
@@ -78,13 +80,15 @@ def merge_sums(st: dict[str, Tensor], track_mean: bool, n_b: Tensor, c: Tensor, 
     chan_merge(st, nb, mean_b, G, s64, inv_nb)
 
 
-def chan_merge(st: dict[str, Tensor], nb: Tensor, mean_b: Tensor, G: Tensor,
+def chan_merge(st: dict[str, Tensor], nb: Tensor, mean_b: Tensor, G: Tensor | None,
                s: Tensor | None = None, inv_nb: Tensor | None = None) -> None:
     """Chan et al.: merge chunk ``(nb, mean_b, m2_b)`` into the running (n, mean, m2), in place.
 
-    ``m2_b = G − s sᵀ/nb`` (``s``/``inv_nb`` given: sums about a shift) or ``G`` itself. The
-    D×D updates are in place (one batched rank-2 or rank-1 product), with no D×D temporaries.
-    An empty chunk (``nb = 0``, ``s = G = 0``) adds exact zeros: the totals do not change.
+    ``m2_b = G − s sᵀ/nb`` (``s``/``inv_nb`` given: sums about a shift) or ``G`` itself;
+    ``G=None``: it was added to ``m2`` already (``inplace.py`` multiplies its rows straight into
+    it). The D×D updates are in place (one batched rank-2 or rank-1 product), with no D×D
+    temporaries, in the dtype of ``m2`` (float64, or float32 totals). An empty chunk
+    (``nb = 0``, ``s = G = 0``) adds exact zeros: the totals do not change.
     """
     na = st["n"].double()
     nbd = nb.double()
@@ -92,7 +96,8 @@ def chan_merge(st: dict[str, Tensor], nb: Tensor, mean_b: Tensor, G: Tensor,
     delta = mean_b - st["mean"]
     st["mean"].addcmul_(delta, (nbd / n)[:, None])
     m2 = st["m2"]
-    m2 += G
+    if G is not None:
+        m2 += G
     w = na * nbd / n  # [S]
     # m2 += −s sᵀ/nb + δ δᵀ·w as one batched rank-2 update U Vᵀ with U = [a | b], V = [−a | b],
     # a = s/√nb, b = δ√w: entry (i, j) and (j, i) are the same two products, so m2 stays
@@ -100,9 +105,9 @@ def chan_merge(st: dict[str, Tensor], nb: Tensor, mean_b: Tensor, G: Tensor,
     b = delta * w.sqrt()[:, None]
     if s is not None:
         a = s * inv_nb.sqrt()[:, None]
-        m2.baddbmm_(torch.stack((a, b), -1), torch.stack((-a, b), -2))
+        m2.baddbmm_(torch.stack((a, b), -1).to(m2.dtype), torch.stack((-a, b), -2).to(m2.dtype))
     else:
-        m2.baddbmm_(b[:, :, None], b[:, None, :])
+        m2.baddbmm_(b[:, :, None].to(m2.dtype), b[:, None, :].to(m2.dtype))
     st["n"] += nb
 
 
@@ -144,6 +149,12 @@ def covariance_update(n: Tensor, rejected: Tensor, first: Tensor, second: Tensor
             covariance_update(n, rejected, first, second, x, mask, None, row_step, track_mean, precision, backend)
         return
     st = _state(n, rejected, first, second, track_mean)
+    if backend == "inplace":  # rows straight into the totals, a bounded workspace (inplace.py)
+        from . import inplace
+
+        n_b, c, s, rej = inplace.accumulate(second, x, mask, row_step, track_mean)
+        merge_sums(st, track_mean, n_b, c, s, None, rej)
+        return
     # rebuilt from the strings, which checks them (the op can also be called directly), once per pair
     plan = update_plan(_settings(precision, backend), track_mean, x)
     if plan.backend == "triton":

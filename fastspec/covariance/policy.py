@@ -32,6 +32,14 @@ CUDA (the batched solver) and float64 on CPU (LAPACK, about as fast as float32 a
 **Backend**: ``"triton"`` (float32 kernels, CUDA or the interpreter) or ``"torch"`` (the blocked
 BLAS path of ``blocked.py``, any device). ``"auto"`` picks Triton for ``"fast"`` updates of CUDA
 tensors when Triton is importable, the torch path otherwise. ``"exact"`` always runs the torch path.
+``"inplace"`` (``inplace.py``, any device) multiplies blocks of rows straight into the totals,
+with no ``D × D`` temporary: products in the totals' dtype (float64 totals: float64 products,
+whatever ``precision``; float32 totals: float32), a workspace known in advance. A probe under a
+memory budget gives it to its FFN sites (``fastspec.probe.plan``).
+
+**Totals** (``Covariance(totals=...)``): float64 by default. float32 halves the memory of the
+``D × D`` totals of a wide centred site, at a cost measured per metric in docs/scale.md (the
+probe uses it only where a budget leaves no room for float64).
 """
 from __future__ import annotations
 
@@ -43,7 +51,7 @@ import torch
 from .._args import choice
 
 PRECISIONS = ("auto", "exact", "fast")
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "inplace")
 
 # (major, minor) compute capabilities whose float64 throughput is 1/2 of float32 or better
 _FULL_RATE_FP64 = {(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)}
@@ -84,6 +92,8 @@ class UpdatePlan(NamedTuple):
 def update_plan(settings: UpdateSettings, track_mean: bool, x: torch.Tensor) -> UpdatePlan:
     """The plan for merging rows ``x`` into an accumulator (see the module docstring)."""
     precision, backend = settings.precision, settings.backend
+    if backend == "inplace":  # the totals' dtype decides (ops.covariance_update dispatches it first)
+        return UpdatePlan(torch.float64, "inplace")
     if x.dtype == torch.float64:
         exact = True  # float64 input keeps float64 products whatever the precision
     elif precision == "auto":  # an explicit backend="triton" asks for its float32 kernels
