@@ -3,9 +3,9 @@
 Every function takes *records* in the tidy format of :class:`fastspec.Record` — a list of
 ``Record``s, a list of dicts, or a ``pandas.DataFrame`` with the columns
 
-    step, tokens_seen, site, layer, head_index, metric, value, protocol   (+ optional ``condition``, ``width``)
+    step, tokens_seen, site, layer, head_index, metric, value, protocol, layout   (+ optional ``condition``, ``width``)
 
-of which ``tokens_seen``, ``layer``, ``head_index`` and ``protocol`` may be absent (None), and
+of which ``tokens_seen``, ``layer``, ``head_index``, ``protocol`` and ``layout`` may be absent (None), and
 ``head`` is read as ``head_index`` (older files): the schema of ``fastspec/probe/record.py``.
 
 and returns a ``pandas.DataFrame``. Records hold one value per (layer, head); per-layer values
@@ -20,6 +20,11 @@ function here reads one protocol: its ``protocol`` argument, by default ``"auto"
 :func:`resolve_protocol`: ``"eval"`` when the selected site/metric has eval records, else
 ``"stream"``, else the unlabelled records (``protocol`` None or ``""``, e.g. a user's own),
 which form a group of their own. Pass ``"eval"``, ``"stream"`` or ``None`` to choose.
+
+Layouts are never mixed either: a site's records that hold every data-parallel rank's tokens
+(``layout="replicated"``) and records of one rank's (``"owned"``, an FFN layer kept by one rank
+under a memory budget, docs/scale.md) estimate the same spectrum from different numbers of
+tokens; a selection holding both raises, naming ``layout``.
 """
 from __future__ import annotations
 
@@ -119,7 +124,14 @@ def _select(df: pd.DataFrame, site: str, metric: str, protocol=AUTO) -> pd.DataF
         have = sorted({f"{s}/{m}" for s, m in zip(df["site"], df["metric"])})
         raise ValueError(f"site, metric: no records for {site}/{metric}; have {have}")
     groups = _protocols(sel)
-    return sel[groups == _pick_protocol(set(groups), protocol, f"{site}/{metric}")]
+    sel = sel[groups == _pick_protocol(set(groups), protocol, f"{site}/{metric}")]
+    if "layout" in sel.columns:
+        layouts = sorted({x for x in sel["layout"] if isinstance(x, str)})
+        if len(layouts) > 1:  # every data-parallel rank's tokens, or one rank's: never averaged together
+            raise ValueError(f"layout: the {site}/{metric} records come from layouts {layouts} (replicated: every "
+                             f"data-parallel rank's tokens; owned: one rank's, docs/scale.md); keep one, e.g. "
+                             f"records[records.layout == {layouts[0]!r}], before reading them together")
+    return sel
 
 
 def resolve_protocol(records, site: str = KEY_SITE, metric: str = KEY_METRIC, protocol=AUTO) -> str | None:

@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "analyze": ("fastspec.commands.analyze", "key and FFN spectra of pretrained models or a series of checkpoints"),
     "report": ("fastspec.commands.report", "regenerate plots and report.md of a run folder"),
     "precompile": ("fastspec.commands.precompile", "compile the CUDA eigensolver ahead of time into the kernel cache"),
+    "plan": ("fastspec.commands.plan", "the probe's memory on every rank of a dp × tp × pp run, before the launch"),
 }
 
 _HELP_FLAGS = ("-h", "--help")

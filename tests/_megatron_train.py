@@ -95,8 +95,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--recompute", default="none", choices=["none", "full", "selective"])
     p.add_argument("--micro-batches", type=int, default=2, help="per data-parallel rank per step")
     p.add_argument("--emit-every", type=int, default=2)
-    p.add_argument("--ffn", action=argparse.BooleanOptionalAction, default=None,
-                   help="stream the FFN too (default: on without TP, off under TP)")
+    p.add_argument("--ffn", action=argparse.BooleanOptionalAction, default=True,
+                   help="stream the FFN too (default: on; under TP its rows are gathered)")
     p.add_argument("--pad", action="store_true", help="some sequences end in padding")
     p.add_argument("--stage-inputs", default="megatron", choices=["megatron", "all"])
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
@@ -120,8 +120,6 @@ def parse(argv=None) -> argparse.Namespace:
         args.layers = max(2, args.pp * (args.vp or 1))
     if args.batch_p2p is None:
         args.batch_p2p = args.vp is None
-    if args.ffn is None:
-        args.ffn = args.tp == 1
     return args
 
 

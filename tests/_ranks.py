@@ -15,7 +15,9 @@ once.
 from __future__ import annotations
 
 import multiprocessing
+import traceback
 
+import pytest
 import torch.multiprocessing as mp
 
 PRELOAD = ["torch", "transformers", "fastspec"]
@@ -27,3 +29,21 @@ def start_ranks(worker, *args, nprocs: int = 2) -> None:
     ``worker`` must be importable by name (a module-level function of a test module)."""
     multiprocessing.set_forkserver_preload(PRELOAD)  # read when the server starts, the first time
     mp.start_processes(worker, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
+def run_variant(out: dict, name: str, fn) -> None:
+    """On a rank: ``out[name] = fn()``, or its error and traceback (the other variants go on; the
+    parent's test reports it, :func:`results`)."""
+    try:
+        out[name] = fn()
+    except Exception as e:  # noqa: BLE001 - reported by the parent's test
+        out[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+
+
+def results(outs: list[dict], name: str) -> list[dict]:
+    """Every rank's result of variant ``name``; fails the test with a rank's traceback if one raised."""
+    res = [out[name] for out in outs]
+    for r, x in enumerate(res):
+        if isinstance(x, dict) and "error" in x and "traceback" in x:
+            pytest.fail(f"rank {r}, {name}: {x['error']}\n{x['traceback']}")
+    return res

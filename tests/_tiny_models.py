@@ -115,6 +115,16 @@ BUILDERS = {"llama": llama, "qwen3": qwen3, "gpt2": gpt2, "bert": bert, "gpt_neo
             "phi3": phi3, "phi": phi, "olmo": olmo, "olmo2": olmo2, "olmo3": olmo3}
 
 
+def wide_llama(layers: int = 4, d_ff: int = 512):
+    """The tiny Llama with more layers and a wide FFN (``d_ff`` 512: 2.1 MB of float64 totals a
+    layer), so that a memory budget of a few MB chooses between the probe's FFN layouts
+    (tests/test_probe_memory.py, test_probe_scale.py). Eval mode, seeded."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=d_ff, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
 def demo_model():
     """The demo's smallest model (QK-norm Llama, 2 layers, d_model 32, vocab 64, sequences of 16):
     what the trainer-callback tests train (it builds no config of its own)."""

@@ -29,12 +29,12 @@ HEAVY = ("torch._dynamo", "scipy", "triton", "pandas", "matplotlib", "transforme
 LAZY = ("fastspec.analysis", "fastspec.plots", "fastspec.report", "fastspec.integrations", "fastspec.demo",
         "fastspec.bench")
 # commands whose --help builds its parser without torch (all of them)
-LIGHT = ("info", "bench", "compare", "report", "demo", "precompile")
+LIGHT = ("info", "bench", "compare", "report", "demo", "precompile", "plan")
 # the library package each command runs (its module is fastspec.commands.<name>): a command's
 # --help may import its own, never another command's module or package
 UNITS = {"info": "fastspec.sysinfo", "bench": "fastspec.bench", "compare": "fastspec.bench",
          "demo": "fastspec.demo", "report": "fastspec.report", "precompile": "fastspec.eig",
-         "analyze": "fastspec.checkpoints"}
+         "analyze": "fastspec.checkpoints", "plan": "fastspec.probe"}
 
 # the child imports the fastspec under test (the repository root first on sys.path), not another install
 ROOT = str(Path(fastspec.__file__).resolve().parents[1])

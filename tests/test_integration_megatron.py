@@ -11,7 +11,8 @@ A run takes 8–11 s, most of it imports; runs are cached per module.
 * data parallel (2 ranks): the records of one process (1e-6: float32 sums reordered), and each
   emission's key PR that of float64 ``svdvals`` of the keys every rank's core attention received;
 * tensor parallel (2 ranks, one query group each): the keys of one process under global group
-  indices; the FFN site is left out with a warning;
+  indices, and the FFN records of one process (each FFN layer's rows gathered over the
+  tensor-parallel group to the rank that keeps it, docs/scale.md);
 * pipeline parallel (2 stages, selective recompute) and virtual pipeline (2 chunks per stage):
   one process's records under Megatron's global layer numbers, gathered to the logging rank;
 * Megatron's distributed checkpoint (``dist_checkpointing``) with the stream's ``ShardedObject``:
@@ -98,13 +99,13 @@ def test_data_parallel_equals_one_process(run):
 
 
 @pytest.mark.slow  # a torchrun job of its own (~10 s)
-def test_tensor_parallel_keys_take_global_groups(run):
+def test_tensor_parallel_keys_take_global_groups_and_ffn_rows_are_gathered(run):
     outs = run(*BASE, "--steps", str(STEPS), "--micro-batches", "4", "--tp", "2")
     assert [o["groups"] for o in outs] == [[0], [1]]
     records = _logged(outs)
-    assert not [r for r in records if r["site"] == "ffn"]  # refused under TP: split by column
-    want = _values(_logged(_reference(run)), "keys")
-    _assert_same(_values(records), want)
+    # the FFN input is split by column: its rows are gathered, and the records are one process's
+    assert {r["layer"] for r in records if r["site"] == "ffn"} == {0, 1, 2, 3}
+    _assert_same(_values(records), _values(_logged(_reference(run))))
 
 
 @pytest.mark.slow  # a torchrun job of its own (~10 s)

@@ -218,13 +218,20 @@ def test_measure_and_wrappers():
             assert got[(0, "keys", layer, g, "participation_ratio")] == pytest.approx(want, rel=1e-6)
 
 
-def test_ffn_split_over_tensor_parallel_ranks_is_refused():
+def test_ffn_split_over_tensor_parallel_ranks_takes_the_layer_s_group():
     """Under tensor parallelism ``linear_fc2`` (a RowParallelLinear) takes ``input_size_per_partition``
-    of ``input_size`` hidden units (faked here on one rank): no rank holds a whole FFN row."""
+    of ``input_size`` hidden units (faked here on one rank): the probe gathers the FFN rows over the
+    module's own ``tp_group``, which must have as many ranks as the split (the gather itself:
+    tests/test_integration_megatron.py, 2 ranks)."""
     model = M.gpt(M.config(layers=1))
-    model.decoder.layers[0].mlp.linear_fc2.input_size_per_partition = 64
-    with pytest.raises(ValueError, match=r"ffn: tensor parallelism splits the FFN hidden units over ranks "
-                                         r"\(decoder.layers.0.mlp.linear_fc2 takes 64 of 128"):
+    fc2 = model.decoder.layers[0].mlp.linear_fc2
+    fc2.input_size_per_partition = 64
+    with pytest.raises(ValueError, match=r"^tp_group: has 1 ranks, but the FFN down projection takes 64 of 128 "
+                                         r"input features on this rank \(2 ranks\)"):
+        Probe(model)
+    fc2.tp_group = None
+    with pytest.raises(ValueError, match=r"^tp_group: the FFN input is split over tensor-parallel ranks and no "
+                                         r"group was given"):
         Probe(model)
     assert Probe(model, ffn=False).sites.names == ["keys"]
 
@@ -400,19 +407,19 @@ def test_import_fastspec_does_not_import_megatron():
     assert res.returncode == 0, res.stderr[-3000:]
 
 
-def test_stream_under_tensor_parallelism_leaves_ffn_out(monkeypatch):
-    """Under TP > 1 (the world size faked here) the stream leaves the FFN site out with a warning
-    unless ``ffn`` is given, and refuses ``keys`` when the query groups do not split over the ranks."""
+def test_stream_under_tensor_parallelism_hands_the_probe_its_group(monkeypatch):
+    """Under TP > 1 (the world size faked here) the stream keeps the FFN site and gives the probe
+    Megatron's tensor-parallel group (the FFN rows are gathered over it), and refuses ``keys``
+    when the query groups do not split over the ranks."""
     import fastspec.integrations.megatron as module
 
     monkeypatch.setattr(module.parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
     model = M.gpt(M.config(layers=1))
-    with pytest.warns(UserWarning, match=r"tensor parallelism \(2 ranks\) splits the FFN hidden units"):
-        stream = module.FastspecStream(model)
-    assert stream.probe.sites.names == ["keys"]
-    stream.finish()
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # ffn given: no warning
-        module.FastspecStream(model, probe_kwargs={"ffn": False}).finish()
+        warnings.simplefilter("error")  # no warning: nothing is left out
+        stream = module.FastspecStream(model)
+    assert stream.probe.sites.names == ["keys", "ffn"]
+    assert stream.probe._tp_group is module.parallel_state.get_tensor_model_parallel_group()
+    stream.finish()
     with pytest.raises(ValueError, match="keys: 1 query groups do not split over 2 tensor-parallel ranks"):
         module.FastspecStream(M.gpt(M.config(layers=1, groups=1)))

@@ -21,12 +21,11 @@ from __future__ import annotations
 import datetime
 import math
 import os
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-from _ranks import start_ranks
+from _ranks import results, run_variant, start_ranks
 from _tiny_models import batch, build
 
 import fastspec
@@ -82,20 +81,12 @@ def _half(inputs: dict, rank: int) -> dict:
     return {k: v[rank * B:(rank + 1) * B] for k, v in inputs.items()}
 
 
-def _variant(out: dict, name: str, fn) -> None:
-    """Run one variant on this rank; keep its result or its traceback (the other variants go on)."""
-    try:
-        out[name] = fn()
-    except Exception as e:  # noqa: BLE001 - reported by the parent's test
-        out[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
-
-
 def _finish(rank: int, tmpdir: str, variants: dict) -> None:
     """Run every variant (its records or its traceback), save them for the parent, leave the group."""
     out: dict = {}
     try:
         for name, fn in variants.items():
-            _variant(out, name, fn)
+            run_variant(out, name, fn)
         torch.save(out, os.path.join(tmpdir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -111,14 +102,6 @@ def _init(rank: int, tmpdir: str) -> None:
 def _run(worker, tmpdir: str) -> list[dict]:
     start_ranks(worker, tmpdir, nprocs=WORLD)
     return [torch.load(os.path.join(tmpdir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
-
-
-def _result(outs: list[dict], name: str) -> list[dict]:
-    res = [out[name] for out in outs]
-    for r, x in enumerate(res):
-        if "error" in x:
-            pytest.fail(f"rank {r}, {name}: {x['error']}\n{x['traceback']}")
-    return res
 
 
 FSDP_INPUTS = dict(B=4, T=10, pad="left")
@@ -202,7 +185,7 @@ def _check_fsdp(res: list[dict], stream: dict, measure: dict, tokens: int) -> No
 
 def test_fsdp2_eager_records_equal_one_process_on_the_whole_batch(fsdp):
     outs, stream, measure, tokens = fsdp
-    res = _result(outs, "eager")
+    res = results(outs, "eager")
     _check_fsdp(res, stream, measure, tokens)
     assert not any(x["in_graph"] for x in res)
 
@@ -211,14 +194,14 @@ def test_fsdp2_compiled_blocks_fullgraph_records_equal_one_process(fsdp):
     """Attention and MLP compiled in place with fullgraph=True inside FSDP2-sharded layers: the
     captures are in the graphs (no graph break), and measure() (run eagerly) agrees."""
     outs, stream, measure, tokens = fsdp
-    res = _result(outs, "compiled_blocks")
+    res = results(outs, "compiled_blocks")
     _check_fsdp(res, stream, measure, tokens)
     assert all(x["in_graph"] for x in res)
 
 
 def test_fsdp2_compiled_whole_model_fullgraph(fsdp):
     outs, stream, measure, tokens = fsdp
-    res = _result(outs, "compiled_whole")
+    res = results(outs, "compiled_whole")
     if any("unsupported" in x for x in res):
         reason = next(x["unsupported"] for x in res if "unsupported" in x)
         pytest.skip(f"torch {torch.__version__}: fullgraph compile of an FSDP2 model fails without "
@@ -301,13 +284,13 @@ def _check_tp(res: list[dict], want: dict, logits: torch.Tensor, tokens: int, ki
 
 def test_tensor_parallel_eager_rank_reports_its_global_heads(tp):
     outs, want, logits, tokens = tp
-    res = _result(outs, "eager")
+    res = results(outs, "eager")
     _check_tp(res, want, logits, tokens, ("stream", "measure"))
     assert not any(x["in_graph"] for x in res)
 
 
 def test_tensor_parallel_compiled_fullgraph_rank_reports_its_global_heads(tp):
     outs, want, logits, tokens = tp
-    res = _result(outs, "compiled")
+    res = results(outs, "compiled")
     _check_tp(res, want, logits, tokens, ("stream",))
     assert all(x["in_graph"] for x in res)

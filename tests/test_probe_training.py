@@ -232,7 +232,7 @@ def test_records_dataframe_and_memory_independent_of_sequence_length():
         df = probe.to_dataframe()
     assert sizes[0] == sizes[1]
     assert list(df.columns) == ["step", "tokens_seen", "site", "layer", "head_index", "metric", "value",
-                                "protocol"]
+                                "protocol", "layout"]
     assert len(df) == len(probe.records()) and isinstance(df, pd.DataFrame)
     assert probe.records()[0].as_dict().keys() == set(df.columns)
     # integers stay integers (nullable: a per-layer site has no head), and DataFrame.head still works

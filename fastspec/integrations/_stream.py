@@ -8,7 +8,8 @@ gathered to rank 0 of the probe's group and merged there, exactly as the next em
 them (``Covariance.merge``), so one state holds the whole run and rank 0 alone writes it (the
 trainers save callback state from rank 0). On restore rank 0 takes the merged accumulators and the
 other ranks start empty: the next emission sums the same rows, whatever the world size of the
-resumed run. With ``sync="none"`` (each rank emits its own tokens) the ranks' whole probe states
+resumed run; under a memory plan that gives each FFN layer to one rank (``Probe(memory=...)``,
+docs/scale.md) each rank takes back the layers it keeps. With ``sync="none"`` (each rank emits its own tokens) the ranks' whole probe states
 (accumulators and records) are kept side by side instead, and each rank takes its own back (a run
 resumed on another world size drops the accumulators, with a warning).
 """
@@ -211,8 +212,10 @@ class Stream:
                     probe_state["history"] = []
         else:
             probe_state = dict(state["probe"])
-        if not state["per_rank"] and rank != 0:  # rank 0 holds every rank's rows; the next emission sums them once
-            probe_state["accumulators"] = []
+        if not state["per_rank"] and rank != 0:
+            # rank 0 takes every rank's rows of the sites the emission sums (it sums them once);
+            # the FFN layers a memory plan gives one rank each go back to that rank
+            probe_state["accumulators"] = self.probe._owned_entries(probe_state["accumulators"])
         reports = self.probe._emitter.reports()
         if not reports:  # sync="rank0": the other ranks never held records
             probe_state["history"] = []

@@ -10,8 +10,9 @@ told of each optimizer step by one call, ``stream.step(iteration)``, after the o
   so the records are those of the global batch;
 * **tensor parallelism**: each rank holds some query groups, whose keys are exact per group
   (global group index ``tp_rank × groups per rank + g``); the FFN input is split by column
-  over the ranks, which no rank can take the covariance of: the FFN site is refused under
-  TP > 1 (left out with a warning unless ``ffn=True`` was asked for, which raises);
+  over the ranks: the sampled rows of each FFN layer are gathered over the tensor-parallel group
+  to the rank that keeps the layer (``linear_fc2.tp_group``; docs/scale.md), so the FFN records
+  are those of one process, reported by tensor-parallel rank 0;
 * **pipeline parallelism** (virtual stages included): each stage probes its own layers, with
   Megatron's global layer numbers; at each emission the model-parallel group of the logging rank
   gathers its members' records there (one ``gather_object``, outside the pipeline schedule).
@@ -27,7 +28,6 @@ and ``import fastspec.integrations`` work without it. Another version warns once
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch.distributed as dist
@@ -94,8 +94,8 @@ class FastspecStream:
         probe_kwargs: keyword arguments of ``fastspec.Probe`` (``keys``, ``ffn``, ``emit_every``,
             ``budget``, ...). The stream adds ``process_group`` (the data-parallel group with
             context parallelism), ``tp_rank`` and ``sync="all"`` under ``torch.distributed``, unless
-            given here. Under tensor parallelism it sets ``ffn=False`` (with a warning) unless
-            ``ffn`` is given; ``ffn=True`` there raises (the FFN input is split by column).
+            given here, and ``tp_group`` (Megatron's tensor-parallel group: the FFN rows are
+            gathered over it) under tensor parallelism.
         probe: instead of ``probe_kwargs``: a :class:`fastspec.Probe` built on ``model``, or a factory
             called as ``probe(model, process_group=group, tp_rank=r)`` that returns one.
         tensorboard: a TensorBoard ``SummaryWriter`` (Megatron-LM: ``get_tensorboard_writer()``),
@@ -157,11 +157,7 @@ class FastspecStream:
         kwargs = dict(probe_kwargs or {})
         tp = parallel_state.get_tensor_model_parallel_world_size() if _parallel() else 1
         if tp > 1:
-            if "ffn" not in kwargs:
-                warnings.warn(f"fastspec: tensor parallelism ({tp} ranks) splits the FFN hidden units over "
-                              f"ranks, so the FFN site is left out (keys stay exact per query group); "
-                              f"pass probe_kwargs ffn=False to silence this", stacklevel=3)
-                kwargs["ffn"] = False
+            kwargs.setdefault("tp_group", parallel_state.get_tensor_model_parallel_group())
             cfg = _config(model)
             groups = getattr(cfg, "num_query_groups", None) or getattr(cfg, "num_attention_heads", None)
             if kwargs.get("keys", True) and isinstance(groups, int) and groups % tp:

@@ -52,7 +52,8 @@ steps keeps every captured step's statistics complete and unbiased. Under ``torc
 with ``sync`` other than ``"none"`` an emission is a collective that every rank must reach on
 the same step, and ranks measure different timings: there the emission interval is never
 adapted (only captures are: they involve no collective), and captures keep at least half of
-the budget.
+the budget. Tensor-parallel ranks that gather FFN rows (``layout.py``) capture together, so
+there the capture interval is not adapted either (``Probe.overhead()`` still reports the cost).
 
 **Pauses it is not told about.** A step's time runs from one :meth:`Probe.step` to the next, so
 whatever else happens in between counts as training: a checkpoint save, an evaluation loop (its
@@ -104,6 +105,7 @@ class OverheadBudget:
         self.budget, self.base_every, self.base_emit_every = budget, base_every, base_emit_every
         self.smoothing = smoothing
         self.adapt_emission = True  # False where emissions must stay in lockstep across ranks
+        self.adapt_capture = True   # False where captures must (tensor-parallel ranks gathering FFN rows)
         self.every, self.emit_every = base_every, base_emit_every
         self.capture_cost: float | None = None  # EMA of capture work / base time, captured steps
         self.emit_cost: float | None = None     # EMA of emission work / base time, emitting steps
@@ -195,7 +197,7 @@ class OverheadBudget:
                 emit_share = b - ce
             else:
                 cap_share = emit_share = b / 2
-            if cap_share is not None:
+            if cap_share is not None and self.adapt_capture:
                 every = max(every, math.ceil(c / cap_share - 1e-9))
             if emit_share is not None:
                 emit *= max(1, math.ceil(e / (emit_share * emit) - 1e-9))

@@ -286,14 +286,9 @@ def ffn_modules(model: nn.Module, family: Family) -> list[tuple[str, nn.Module, 
         raise ValueError(f"ffn: no module matches the FFN down-projection pattern {family.ffn!r} in this "
                          f"model (model_type {model_type!r}); register the family in fastspec.probe.FAMILIES, "
                          f"or pass ffn=False (keys need no family; docs/protocols.md)")
-    for name, mod, _ in found:
-        # Megatron-core's row-parallel down projection: under tensor parallelism each rank holds
-        # input_size_per_partition of the input_size hidden units, never a whole FFN row
-        part, whole = getattr(mod, "input_size_per_partition", None), getattr(mod, "input_size", None)
-        if isinstance(part, int) and isinstance(whole, int) and part < whole:
-            raise ValueError(f"ffn: tensor parallelism splits the FFN hidden units over ranks ({name} takes "
-                             f"{part} of {whole} on this rank), so no rank holds whole FFN rows and their "
-                             f"covariance cannot be taken here; pass ffn=False (keys stay exact per query group)")
+    # under tensor parallelism a down projection takes a column slab of the FFN rows (Megatron-core's
+    # RowParallelLinear, a row-wise parallel DTensor Linear): the probe gathers the sampled rows to
+    # the rank that keeps the layer (layout.ffn_split, layout.WideSites.gather)
     return found
 
 

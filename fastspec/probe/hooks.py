@@ -40,7 +40,7 @@ from .families import (
 )
 from .sites import ModuleSite
 
-# capture(slot, x, *, headed, convention, head_offset=0, stream_row_step=None)
+# capture(slot, x, *, headed, convention, head_offset=0, stream_row_step=None, gather=None)
 Capture = Callable[..., None]
 # slot(site, layer) -> an opaque handle the capture writes through (routing.Slot)
 MakeSlot = Callable[[str, "int | None"], object]
@@ -362,6 +362,9 @@ class Hooks:
         self._capture, self._slot = capture, slot
         self._wanted = wanted
         self._handles: list | None = None
+        # the memory plan's layout of the FFN layers (layout.WideSites), set by the probe before
+        # the hooks go on: which layers this rank captures, and the rows tensor parallelism gathers
+        self.wide = None
 
     def _gated(self, callback):
         """``callback`` that returns at once (None) while :attr:`_wanted` says no capture is wanted."""
@@ -551,15 +554,39 @@ class Hooks:
     def _ffn_hook(self, layer: int | None):
         plan, capture, slot, scope = self.plan, self._capture, self._slot("ffn", layer), self.scope
         seq_first = self.family.seq_first
+        wide = self.wide if self.wide is not None and self.wide.managed else None
 
         def hook(module, args):
             x = first_tensor(args)
-            if x is not None and x.is_floating_point():
+            if x is None or not x.is_floating_point():
+                return
+            dst = None
+            if wide is not None:  # the memory plan: this rank's layers, their turn, the tensor-parallel gather
+                if torch.compiler.is_compiling() and (wide.rotating or wide.split):
+                    raise RuntimeError(
+                        "ffn: under torch.compile the FFN layers cannot take turns (rotation) nor have their "
+                        "rows gathered over tensor-parallel ranks; give the probe more memory (Probe(memory=)), "
+                        "compile without the FFN site (ffn=False), or run eagerly (docs/scale.md)")
+                if wide.split:
+                    dst = wide.holder(layer)
+                    if dst is None:
+                        return
+                    x = x.to_local() if hasattr(x, "to_local") else x  # this rank's columns
+                elif not wide.captures(layer):
+                    return
+            if dst is None:
                 x, _ = local_part(x, None, "ffn")
-                if seq_first and x.dim() == 3:  # [T, B, d_ff] (Megatron) as a [B, T, d_ff] view
-                    x = x.transpose(0, 1)
-                capture(slot, scope.token_rows(x), headed=False, convention=plan.ffn_convention,
-                        stream_row_step=plan.ffn_row_step)
+            if seq_first and x.dim() == 3:  # [T, B, d_ff] (Megatron) as a [B, T, d_ff] view
+                x = x.transpose(0, 1)
+            x = scope.token_rows(x)
+            if dst is None:
+                capture(slot, x, headed=False, convention=plan.ffn_convention, stream_row_step=plan.ffn_row_step)
+            elif x.dim() == 3:
+                capture(slot, x, headed=False, convention=plan.ffn_convention, stream_row_step=plan.ffn_row_step,
+                        gather=dst)
+            else:
+                raise ValueError(f"ffn: the tensor-parallel FFN input of layer {layer} has shape {list(x.shape)}; "
+                                 f"the gather takes [B, T, d_ff/tp] (or [T, B, d_ff/tp] tokens first)")
         return hook
 
     def _module_hook(self, spec: ModuleSite, layer: int | None):

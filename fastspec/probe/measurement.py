@@ -38,7 +38,14 @@ class Measurement:
     def __init__(self, probe, *, timed: bool = False):
         self._probe = probe
         self._timer = WorkTimer() if _args.flag("timed", timed) else None
-        self.collector = Collector(probe.settings, timer=self._timer)
+        probe._plan_layout()
+        wide = probe._wide
+        if wide.managed and wide.eval_passes(probe._meter.held()) > 1:
+            raise ValueError(f"memory: the budget holds only some of the FFN layers at once beside what the probe "
+                             f"holds, so each would need its own pass over the batches, which a measurement over "
+                             f"several forwards cannot make; use measure() per batch, raise Probe(memory=...), or "
+                             f"pass ffn=False")
+        self.collector = probe._collector(self._timer)
         self.forwards = 0
         self.solve_seconds = 0.0
         self._capture = 0.0
@@ -50,9 +57,29 @@ class Measurement:
         if self._finished:
             raise RuntimeError("Measurement.forward: this measurement is finished; start another "
                                "with probe.measurement()")
-        out = self._probe._eval_forward(self._probe._as_batch(batch), self.collector)
+        with self._one_pass():
+            out = self._probe._eval_forward(self._probe._as_batch(batch), self.collector)
         self.forwards += 1
         return out
+
+    def _one_pass(self):
+        """Under a memory plan: the FFN layers of this rank's single eval pass are the ones captured
+        and solved (not the streaming window's)."""
+        import contextlib
+
+        wide = self._probe._wide
+
+        @contextlib.contextmanager
+        def one():
+            if not wide.managed:
+                yield
+                return
+            wide.eval_pass = 0
+            try:
+                yield
+            finally:
+                wide.eval_pass = None
+        return one()
 
     @property
     def capture_seconds(self) -> float:
@@ -85,7 +112,8 @@ class Measurement:
         if sync:
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        pending, specs = probe._emitter.records_and_spectra(self.collector, step, tokens_seen, "eval")
+        with self._one_pass():
+            pending, specs = probe._emitter.records_and_spectra(self.collector, step, tokens_seen, "eval")
         records: list[Record] = [] if pending is None else pending.materialize()
         if sync:
             torch.cuda.synchronize(device)

@@ -22,12 +22,15 @@ class PendingRecords:
     """Records whose values are still on their way to the host (see module docstring)."""
 
     def __init__(self, step: int, tokens_seen: int | None, keys: list[RecordKey], values: Tensor,
-                 protocol: str | None = None):
+                 protocol: str | None = None, layouts: list[str | None] | None = None):
         if values.numel() != len(keys):
             raise ValueError(f"values: expected {len(keys)} entries, got {values.numel()}")
         if protocol is not None and protocol not in PROTOCOLS:
             raise ValueError(f"protocol: expected one of {PROTOCOLS} or None, got {protocol!r}")
+        if layouts is not None and len(layouts) != len(keys):
+            raise ValueError(f"layouts: expected {len(keys)} entries, got {len(layouts)}")
         self.step, self.tokens_seen, self.keys, self.protocol = step, tokens_seen, keys, protocol
+        self.layouts = layouts if layouts is not None else [None] * len(keys)
         values = values.detach().reshape(-1).to(torch.float64)
         self._event = None
         if values.is_cuda:
@@ -48,5 +51,5 @@ class PendingRecords:
         if self._event is not None:
             self._event.synchronize()
         vals = self._host.tolist()  # one bulk transfer to Python, not one sync per metric
-        return [Record(self.step, self.tokens_seen, s, l, h, m, float(v), self.protocol)
-                for (s, l, h, m), v in zip(self.keys, vals)]
+        return [Record(self.step, self.tokens_seen, s, l, h, m, float(v), self.protocol, lay)
+                for (s, l, h, m), v, lay in zip(self.keys, vals, self.layouts)]

@@ -40,6 +40,8 @@ docs/compile.md).
 * ``routing.py``: where each capture goes (an eval measurement, the streaming totals, nowhere);
 * ``budget.py``: the streaming schedule and its overhead budget, from the work times of ``timer.py``;
 * ``ffn_sampling.py``: the FFN sites' streaming token sampling, from a FLOP model;
+* ``plan.py`` / ``layout.py``: the memory plan (``memory=``): what the probe may hold on a rank,
+  which rank keeps each FFN layer, the rotation, the tensor-parallel gather (docs/scale.md);
 * ``emission.py`` (and ``gamma.py``): metrics and spectra of the covariances, one eigensolve per shape;
 * ``measurement.py``: an eval measurement over several forwards (:meth:`Probe.measurement`);
 * ``checks.py``: the batch a measurement takes, and the sites whose rows were missing or refused;
@@ -57,13 +59,14 @@ from torch import Tensor, nn
 
 from .. import _args
 from ..covariance.policy import UpdateSettings
-from . import checks
+from . import checks, plan
 from .budget import OverheadBudget
 from .emission import RECORD_METRICS, SPECTRUM_METRICS, SYNC_MODES, Emitter
 from .families import ModelChunks, resolve_family
 from .ffn_sampling import choose_ffn_rows
 from .history import History
 from .hooks import ForwardScope, Hooks, SitePlan, positional_index
+from .layout import Meter, WideSites, ffn_split, resolve_budget, stage_of
 from .measurement import Measurement
 from .record import Record
 from .routing import Router
@@ -191,6 +194,18 @@ class Probe:
             :class:`~fastspec.probe.Family`. Default: found from the model, a Hugging Face
             model's ``config.model_type`` or the class of an OLMo-core or TorchTitan model
             (``Family.model_classes``); see ``families.py``.
+        memory: the device memory the probe may hold on each rank (accumulators, capture and
+            emission workspace): bytes, a size such as ``"4GB"`` or ``"512MiB"``, or a float in
+            (0, 1], that share of the device's memory. Default: 5% of a CUDA device
+            (``plan.DEFAULT_FRACTION``), no budget on the CPU. The probe plans before the first
+            step how the FFN layers fit (``plan.py``): every layer on every rank where that fits,
+            else each layer kept by one rank of the data-parallel group, float32 totals, layers
+            taking turns; it raises here, naming ``d_ff``, the bytes needed and the budget, when
+            not even one layer fits. :meth:`memory` says what it holds; :attr:`layout` how.
+        tp_group: the tensor-parallel process group over which the FFN input is split by columns
+            (Megatron-core's ``RowParallelLinear`` names its own, a ``DTensor`` its mesh: then
+            none is needed). The sampled FFN rows are gathered over it to the rank that keeps
+            the layer.
 
     Flags take Python or NumPy bools, counts Python or NumPy ints (never bools or floats); a bad
     argument raises naming it (``fastspec/_args.py`` holds the rules).
@@ -218,7 +233,8 @@ class Probe:
                  emit_every: int = 100, reset: bool = True, row_step: int = 1,
                  budget: float | None = None, ffn_rows: int | str = "auto", sync: str = "all",
                  process_group=None, tp_rank: int = 0, cuda_graphs: bool = False,
-                 clock: Callable[[], float] | None = None, family=None, forwards: str = "train"):
+                 clock: Callable[[], float] | None = None, family=None, forwards: str = "train",
+                 memory=None, tp_group=None):
         if not isinstance(model, (nn.Module, list, tuple)):
             raise TypeError(f"model: expected a torch.nn.Module (or a list of model chunks), got {type(model).__name__}")
         keys, queries = _args.flag("keys", keys), _args.flag("queries", queries)
@@ -268,6 +284,12 @@ class Probe:
         self._hooks.check()  # a site that matches no module fails here, not at the first measure/attach
         self._emitter = Emitter(self.model, self.family, gamma=keys or queries or prerope_keys, sync=sync,
                                 process_group=process_group)
+        self._memory_arg = plan.memory_arg(memory)  # checked here; resolved on the model's device
+        self._tp_group = tp_group
+        self._wide: WideSites | None = None
+        self._meter: Meter | None = None
+        self._window_start: int | None = None  # first step of the current emission window
+        self._plan_layout()  # the memory plan: raises here when the budget cannot hold one FFN layer
         self._history = History()
         self._steps_seen = 0
         self._clock = StepClock(self._timer.clock)  # each step's seconds, pauses while detached left out
@@ -280,6 +302,97 @@ class Probe:
         self._warned_rejected: set[tuple] = set()  # (site, layer)s streamed NaN/Inf rows were named for
         # measure(tensor) calls model(tensor): its input_ids where forward takes them first (HF models)
         self._tensor_is_input_ids = positional_index(self.model.forward, "input_ids") == 0
+
+    # ----------------------------------------------------------------- memory plan
+    def _ranks(self, split) -> plan.Ranks:
+        """The ranks the FFN layers may be spread over (``plan.Ranks``): the data-parallel group
+        when emissions merge over it, the tensor-parallel ranks that split the FFN input."""
+        import torch.distributed as dist
+
+        dp, dp_rank = 1, 0
+        if self._emitter.collective:
+            group = self._emitter.process_group
+            dp, dp_rank = dist.get_world_size(group), dist.get_rank(group)
+        tp, tp_rank = (split[0], split[2]) if split is not None else (1, 0)
+        return plan.Ranks(dp, tp, dp_rank, tp_rank, self._device().type)
+
+    def _device(self) -> torch.device:
+        param = next((p for p in self.model.parameters() if p.is_floating_point()), None)
+        device = torch.device("cpu") if param is None else param.device
+        if device.type == "meta":  # a model built on meta (deferred init): its real device is CUDA if any
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return device
+
+    def _plan_layout(self) -> None:
+        """Plan the probe's memory (``plan.plan``) for this model, these ranks and the budget:
+        the layout of the FFN layers (:attr:`layout`) and the meter of :meth:`memory`. Run at
+        construction and again at :meth:`attach`/:meth:`measure` if the ranks changed since (a
+        probe built before ``init_process_group``) while nothing was accumulated."""
+        sites = self.sites
+        split = ffn_split(self.model, self.family, self._tp_group) if sites.ffn else None
+        ranks = self._ranks(split)
+        if self._wide is not None and self._wide.layout.ranks == ranks:
+            return
+        if self._wide is not None and self._totals.accs:
+            return  # rows are held under the old plan: keep it (the state says which)
+        attention = len(self._hooks._attention_modules()) if (sites.keys or sites.queries or sites.prerope_keys) else 0
+        stage = stage_of(self.model, self.family, ffn=sites.ffn, convention=sites.ffn_convention, keys=sites.keys,
+                         queries=sites.queries, prerope_keys=sites.prerope_keys, reset=self.reset_after_emit,
+                         tp=ranks.tp, attention_layers=attention)
+        budget = resolve_budget(self._memory_arg, self._device())
+        layout = plan.plan(stage, ranks, budget)
+        wide = WideSites(layout, stage, budget, split, self._emitter.process_group, self._emitter.collective)
+        planned = {site for site, _, _ in stage.small} | ({"ffn"} if stage.wide else set())
+        meter = Meter(wide.figures, budget, planned)
+        self._wide, self._meter = wide, meter
+        self._totals.wide, self._totals.meter = wide, meter
+        meter.watch(self._totals)
+        self._hooks.wide = self._emitter.wide = wide
+        # tensor-parallel ranks gather FFN rows together: their capture steps must not drift apart
+        self._budget.adapt_capture = not wide.split
+
+    def _next_window(self) -> None:
+        """After a streaming emission: the next window starts; under rotation the FFN layers just
+        measured give their memory back (the next turn's allocate at their first capture)."""
+        wide = self._wide
+        self._window_start = None
+        if wide.rotating:
+            for layer in wide.solved():
+                acc = self._totals.accs.get(("ffn", layer))
+                if acc is not None:
+                    acc.cov.free()
+            self._router.forget_slots()
+        wide.window += 1
+
+    @property
+    def layout(self) -> plan.Layout:
+        """The memory plan's layout of the FFN layers (``plan.Layout``): ``mode``
+        (``"default"`` without a budget, ``"replicated"``, ``"owned"``), ``totals``, ``groups``
+        (windows between two measurements of a layer), ``holders`` (the rank keeping each layer)."""
+        return self._wide.layout
+
+    def memory(self) -> dict:
+        """What the probe holds on this rank, in bytes (docs/scale.md):
+
+        * ``"now"``: its accumulators now, read from their tensors (the streaming totals, and an
+          eval measurement's while it runs);
+        * ``"peak"``: the most it held so far with the workspace of the work it did: the
+          accumulators at each change, plus the plan's capture workspace (after a capture) or
+          emission workspace (at an emission): the in-place update's row block and the
+          tensor-parallel gather, the copies an emission reduces and solves in, the eigensolver's
+          copy of its input (bounds for the default update kernels);
+        * ``"budget"``: the budget (None: none), ``"planned_peak"``: the plan's figure for this rank
+          once every layer it keeps has been captured and emitted (what ``fastspec plan`` prints);
+        * ``"sites"``: ``"now"`` per site (``"keys"``, ``"ffn"``, ...), ``"workspace"``: the
+          capture and emission workspace of the plan;
+        * ``"layout"``, ``"totals"``, ``"ffn_every"`` (windows between two measurements of the
+          same FFN layer), ``"ffn_layers"`` (the FFN layers this rank keeps)."""
+        m, wide = self._meter, self._wide
+        f = wide.figures
+        return {"now": m.held(), "peak": m.peak, "budget": wide.budget, "planned_peak": f.peak,
+                "sites": m.by_site(), "workspace": {"capture": m.capture, "emission": m.emission},
+                "layout": wide.layout.mode, "totals": wide.layout.totals, "ffn_every": wide.layout.groups,
+                "ffn_layers": list(f.layers)}
 
     def _other_forward(self, starts: bool) -> None:
         """``ForwardScope.on_other`` (``forwards="train"``): a forward that does not train starts or
@@ -354,12 +467,39 @@ class Probe:
         """
         step = _args.integer("step", step)
         tokens_seen = _args.integer("tokens_seen", tokens_seen, minimum=0, optional=True)
-        collector = Collector(self.settings)
-        self._eval_forward(self._as_batch(batch), collector)
-        pending = self._emitter.records(collector, step, tokens_seen, "eval")
-        records = [] if pending is None else pending.materialize()
-        self._keep_eval_records(collector, records, stacklevel=3)
+        batch = self._as_batch(batch)
+        self._plan_layout()
+        records: list[Record] = []
+        collectors = []
+        for _ in self._eval_passes():
+            collector = self._collector()
+            self._eval_forward(batch, collector)
+            pending = self._emitter.records(collector, step, tokens_seen, "eval", consume=True)
+            records += [] if pending is None else pending.materialize()
+            collectors.append(collector)
+        self._keep_eval_records(collectors[0], records, stacklevel=3)
         return records
+
+    def _collector(self, timer=None) -> Collector:
+        """A collector for one eval measurement, under the probe's memory plan."""
+        return Collector(self.settings, timer=timer, wide=self._wide, meter=self._meter)
+
+    def _eval_passes(self) -> Iterator[int | None]:
+        """The forwards one eval measurement takes: one, or under a memory plan as many as the
+        budget needs beside what the probe holds already (its streaming accumulators): the FFN
+        layers in groups, one group a forward, the first forward capturing every other site too
+        (``WideSites.eval_passes``), with :attr:`WideSites.eval_pass` set for each."""
+        wide = self._wide
+        if not wide.managed:
+            yield None
+            return
+        passes = wide.eval_passes(self._meter.held())
+        try:
+            for g in range(passes):
+                wide.eval_pass = g
+                yield g
+        finally:
+            wide.eval_pass = None
 
     def _keep_eval_records(self, collector: Collector, records: list[Record], *, stacklevel: int) -> None:
         """After an eval measurement (:meth:`measure`, ``Measurement.finish``): warn for its sites
@@ -385,10 +525,16 @@ class Probe:
         """
         if batch is None:
             return self._emitter.spectra(self._totals)
-        collector = Collector(self.settings)
-        self._eval_forward(self._as_batch(batch), collector)
-        self._warn_missing(collector, "in this measurement", stacklevel=3)
-        return self._emitter.spectra(collector)
+        batch = self._as_batch(batch)
+        self._plan_layout()
+        out: dict[tuple[str, int | None], Tensor] = {}
+        for g in self._eval_passes():
+            collector = self._collector()
+            self._eval_forward(batch, collector)
+            if not g:
+                self._warn_missing(collector, "in this measurement", stacklevel=4)
+            out.update(self._emitter.spectra(collector))
+        return out
 
     def measurement(self, *, timed: bool = False) -> Measurement:
         """An eval measurement over several forwards (more tokens than one batch holds)::
@@ -432,7 +578,12 @@ class Probe:
         (values on the host already), also a site that captured but merged and refused no row,
         its every row masked out. With ``once``, only for sites not in it yet (it records them)."""
         ran = {site for (site, _), acc in collector.accs.items() if acc.cov.device is not None}
-        seen = ran if records is None else checks.sites_with_rows(records)
+        wide = self._wide
+        if wide is not None and wide.managed and (
+                not any(wide.layout.holds(l) for l in wide.layout.holders)
+                or (collector is self._totals and not any(wide.captures(l) for l in wide.layout.holders))):
+            ran.add("ffn")  # the memory plan gives this rank no FFN layer (now): nothing to capture here
+        seen = ran if records is None else checks.sites_with_rows(records) | (ran & {"ffn"})
         for site, hint in self._missing_hints().items():
             if site in seen or (once is not None and site in once):
                 continue
@@ -482,6 +633,7 @@ class Probe:
         the ops read, so steps that capture and steps that do not run the same graph.
         """
         self._self_checks()
+        self._plan_layout()
         self._hooks.install()
         self._paused = False
         self._router.streaming = True
@@ -633,6 +785,8 @@ class Probe:
         # ranks time differently: a collective emission must not follow per-rank timings
         budget.adapt_emission = not self._emitter.collective
         self._steps_seen += 1
+        if self._window_start is None:
+            self._window_start = step
         emitting = budget.emit_due(self._steps_seen)
         if emitting:
             budget.emitted(self._steps_seen)
@@ -647,9 +801,12 @@ class Probe:
                            else self._clock.other_forwards or -int(scope.traced[False]))
                 self._warn_missing(self._totals, f"by step {step}", stacklevel=3, once=self._warned_sites,
                                    other_forwards=skipped)
-            self._history.add(self._emitter.records(self._totals, step, tokens_seen, "stream", extra=extra))
+            self._meter.note("emission")
+            self._history.add(self._emitter.records(self._totals, step, tokens_seen, "stream", extra=extra,
+                                                    consume=self.reset_after_emit, window_start=self._window_start))
             if self.reset_after_emit:
                 self._totals.reset()
+            self._next_window()
             self._timer.stop(token, "emit")
         step_s = self._clock.lap()
         if paused:
@@ -748,6 +905,8 @@ class Probe:
             "steps_seen": self._steps_seen,
             "budget": self._budget.state_dict(),
             "settings": self._settings(),
+            "layout": self._wide.layout.signature(),
+            "window": self._wide.window,
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -766,6 +925,12 @@ class Probe:
           measured costs are forgotten (they were judged against the old budget).
 
         A state saved before settings were kept (no ``"settings"``) is restored as it is.
+
+        Under a memory plan (``memory=``) this rank takes the FFN accumulators of the layers it
+        keeps now (of the current window, under rotation) and no others; a state saved under
+        another layout (another world size, budget or precision of the totals) says so in one
+        warning and what it keeps: each FFN layer's rows go to the rank that keeps it now, and its
+        next record's ``n`` says how many it holds.
         """
         if not isinstance(sd, dict) or sd.get("version") != 1:
             raise ValueError("state_dict: not a fastspec.Probe state_dict (version 1)")
@@ -778,7 +943,7 @@ class Probe:
                        "its accumulators are kept, the new schedule applies from here")
             warnings.warn(f"fastspec.Probe: the state was saved under other settings ({what}): {dropped}",
                           stacklevel=2)
-        self._totals.load([] if rows_changed else sd["accumulators"])
+        self._totals.load([] if rows_changed else self._layout_entries(sd))
         self._history.load_state_dict(sd["history"])
         self._steps_seen = int(sd["steps_seen"])
         if changed:  # when it last emitted, not the intervals or costs of the old settings
@@ -787,6 +952,35 @@ class Probe:
             self._budget.load_state_dict(sd["budget"])
         self._router.forget_slots()  # a compiled graph must not keep writing the replaced state
         self._router.capture_this_step = self._budget.capture_due(self._steps_seen)
+
+    def _owned_entries(self, entries: list[dict]) -> list[dict]:
+        """The entries of FFN layers this rank keeps alone (an ``owned`` layout over several
+        data-parallel ranks): what a rank other than 0 takes back from a merged checkpoint
+        (``integrations/_stream.py``), where rank 0 takes the sites every rank keeps."""
+        wide = self._wide
+        if not wide.managed or wide.layout.mode != "owned":
+            return []
+        return [e for e in entries if e["site"] == "ffn" and wide.layout.holds(e["layer"])]
+
+    def _layout_entries(self, sd: dict) -> list[dict]:
+        """The accumulator entries of state ``sd`` this rank takes under its memory plan (see
+        :meth:`load_state_dict`), the rotation window restored, a change of layout warned about."""
+        wide, entries = self._wide, sd["accumulators"]
+        saved, now = sd.get("layout"), wide.layout.signature()
+        same = saved is None or saved == now
+        wide.window = int(sd.get("window", 0)) if same else 0
+        kept = entries if not wide.managed else [e for e in entries if e["site"] != "ffn" or wide.captures(e["layer"])]
+        if not same:
+            what = ", ".join(f"{k} {saved.get(k)!r} -> {now[k]!r}" for k in now if saved.get(k) != now[k])
+            # a layer another rank keeps now is that rank's to take; one whose turn has not come is dropped
+            waiting = sorted({e["layer"] for e in entries if e["site"] == "ffn" and e not in kept
+                              and wide.layout.holds(e["layer"])})
+            dropped = (f"; the rows of FFN layers {waiting}, which this rank keeps but whose turn is later, are "
+                       f"dropped" if waiting else "")
+            warnings.warn(f"fastspec.Probe: the state was saved under another FFN layout ({what}): each FFN layer's "
+                          f"accumulator goes to the rank that keeps it now, with the rows it holds (its next "
+                          f"record's n says how many){dropped}; the rotation starts anew", stacklevel=3)
+        return kept
 
     def __repr__(self) -> str:
         return (f"Probe({type(self.model).__name__}, sites={self.sites.names}, "

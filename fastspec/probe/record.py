@@ -21,7 +21,7 @@ PROTOCOLS = ("eval", "stream")
 
 @dataclass(frozen=True)
 class Record:
-    """One measurement ``(step, tokens_seen, site, layer, head_index, metric, value, protocol)``.
+    """One measurement ``(step, tokens_seen, site, layer, head_index, metric, value, protocol, layout)``.
 
     ``site`` is ``"keys"``, ``"queries"``, ``"keys_prerope"``, ``"ffn"``, ``"gamma_k"``,
     ``"gamma_q"``, ``"probe"`` (the probe's own overhead) or a user module site label.
@@ -31,6 +31,11 @@ class Record:
     (:meth:`fastspec.Probe.measure`, one fixed batch) or ``"stream"`` (the training tokens
     accumulated between emissions); ``None`` for records from elsewhere (a loss, a user's
     own). The two protocols of the same step measure different tokens: never average them.
+    ``layout`` says whose tokens a site's record holds (docs/scale.md): ``"replicated"``, every
+    data-parallel rank's (merged, or one process's whole input); ``"owned"``, one rank's, as an
+    FFN layer that one rank keeps under a memory budget (1/dp of the tokens: the same covariance,
+    a larger sampling error); ``None`` for records that are not a site's spectrum (γ, the
+    probe's overhead) or from elsewhere. Fits never mix layouts (``fastspec.analysis``).
     """
 
     step: int
@@ -41,6 +46,7 @@ class Record:
     metric: str
     value: float
     protocol: str | None = None
+    layout: str | None = None
 
     @property
     def head(self) -> int | None:
@@ -63,8 +69,11 @@ class Record:
 FIELDS = tuple(f.name for f in fields(Record))
 #: fields a record may hold None in, and that a row may therefore lack: ``tokens_seen`` (not
 #: counted), ``layer`` (a site outside the layer stack), ``head_index`` (a per-layer site),
-#: ``protocol`` (a record from elsewhere, or a file written before protocols existed)
-NULLABLE = ("tokens_seen", "layer", "head_index", "protocol")
+#: ``protocol`` (a record from elsewhere, or a file written before protocols existed),
+#: ``layout`` (not a site's spectrum, or a file written before layouts existed)
+NULLABLE = ("tokens_seen", "layer", "head_index", "protocol", "layout")
+#: ``Record.layout`` values
+LAYOUTS = ("replicated", "owned")
 #: fields that hold integers (or None)
 INT_FIELDS = ("step", "tokens_seen", "layer", "head_index")
 #: names older files use for a field -> the field (``head`` became ``head_index``: as a

@@ -88,6 +88,9 @@ def _ensure_slot(key: str, dim: tuple, device: torch.device, convention: str, he
     slot = _SLOTS[key]
     router = slot.router
     acc = router.totals.ensure(slot.site, slot.layer, tuple(dim), convention, headed, head_offset, device)
+    if acc is None:  # refused by the memory budget: the traced capture does nothing
+        slot.acc = slot.gate = None
+        return True
     for t in acc.cov.state_dict()["state"].values():
         torch._dynamo.mark_static_address(t)
     gate = router.gate(device)
@@ -195,10 +198,12 @@ class Router:
             self._measurement = outer
 
     def capture(self, slot: Slot, x: Tensor, *, headed: bool, convention: str,
-                head_offset: int = 0, stream_row_step: int | None = None) -> None:
+                head_offset: int = 0, stream_row_step: int | None = None, gather: int | None = None) -> None:
         """Merge rows ``x: [*rows, H, D]`` (``headed``) or ``[*rows, D]`` of one site, without the
         padding of the model's ``attention_mask`` (``ForwardScope.mask_for``, which raises if the
-        mask cannot cover the rows' ``[B, T]``)."""
+        mask cannot cover the rows' ``[B, T]``). ``gather``: the rows ``[B, T, D/tp]`` are this
+        rank's columns of an FFN input split by tensor parallelism; the sampled rows are gathered
+        to tensor-parallel rank ``gather``, which merges them (``layout.WideSites.gather``)."""
         if torch.compiler.is_compiling():
             self._capture_in_graph(slot, x, headed=headed, convention=convention, head_offset=head_offset,
                                    stream_row_step=stream_row_step)
@@ -206,6 +211,9 @@ class Router:
         target = self.destination()
         if target is None:
             return
+        wide = target.wide
+        if wide is not None and wide.eval_pass and slot.site != "ffn":
+            return  # a later pass of a rotating eval measurement: the other sites were captured in the first
         streaming = target is self.totals
         # only streaming work is the budget's to time: measure() captures would pile up CUDA
         # events (never popped without step()) and count against the streaming interval
@@ -221,8 +229,14 @@ class Router:
             if x.device.type in ("cuda", "cpu"):
                 stack.enter_context(torch.autocast(x.device.type, enabled=False))
             x = x.detach()
-            target.update(slot.site, slot.layer, x, self.scope.mask_for(x, headed, slot.site), headed=headed,
-                          convention=convention, head_offset=head_offset, row_step=row_step)
+            mask = self.scope.mask_for(x, headed, slot.site)
+            if gather is not None:
+                def take(rows: Tensor, m: Tensor | None) -> None:
+                    target.update(slot.site, slot.layer, rows, m, headed=False, convention=convention)
+                wide.gather(x, mask, gather, row_step, take)
+            else:
+                target.update(slot.site, slot.layer, x, mask, headed=headed, convention=convention,
+                              head_offset=head_offset, row_step=row_step)
         if token is not None:
             timer.stop(token, "capture")
             self.timed += streaming
@@ -238,6 +252,8 @@ class Router:
         if x.numel() == 0:
             return
         _ensure_slot(slot.key, site_dim(x, headed), x.device, convention, headed, head_offset)
+        if slot.acc is None:  # a site the memory budget could not admit (warned at trace time)
+            return
         row_step = stream_row_step if stream_row_step is not None else self.row_step
         slot.acc.cov.update(x.detach(), self.scope.mask_for(x, headed, slot.site), row_step=row_step,
                             gate=slot.gate)

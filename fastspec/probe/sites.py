@@ -53,12 +53,14 @@ class ModuleSite:
 class SiteCovariance:
     """The :class:`~fastspec.Covariance` of one (site, layer), with how its records are labelled:
     its spectrum convention and, for per-head sites, the global index of its first head.
-    ``settings``: the probe's precision and backend, handed to the accumulator as they are."""
+    ``settings``: the probe's precision and backend, handed to the accumulator as they are (the
+    ``"inplace"`` backend for an FFN site under a memory plan); ``totals``: the dtype of its
+    ``D × D`` totals (float32 where the plan chose them)."""
 
     def __init__(self, dim: tuple[int, ...], convention: str, headed: bool, head_offset: int,
-                 settings: UpdateSettings):
+                 settings: UpdateSettings, totals: torch.dtype = torch.float64):
         self.convention, self.headed, self.head_offset = convention, headed, head_offset
-        self.cov = Covariance(dim, track_mean=(convention == "eig"), settings=settings)
+        self.cov = Covariance(dim, track_mean=(convention == "eig"), settings=settings, totals=totals)
 
     def state_dict(self) -> dict:
         sd = self.cov.state_dict()
@@ -67,8 +69,13 @@ class SiteCovariance:
                 "head_offset": self.head_offset, "state": state}
 
     @classmethod
-    def from_state_dict(cls, sd: dict, settings: UpdateSettings) -> SiteCovariance:
-        acc = cls(tuple(sd["dim"]), sd["convention"], sd["headed"], sd["head_offset"], settings)
+    def from_state_dict(cls, sd: dict, settings: UpdateSettings, totals: torch.dtype | None = None) -> SiteCovariance:
+        """The accumulator of a :meth:`state_dict` entry; its totals in ``totals`` (default: the
+        dtype they were saved in)."""
+        if totals is None:
+            second = None if sd["state"] is None else sd["state"].get("m2", sd["state"].get("gram"))
+            totals = torch.float64 if second is None else second.dtype
+        acc = cls(tuple(sd["dim"]), sd["convention"], sd["headed"], sd["head_offset"], settings, totals)
         acc.cov.load_state_dict({"dim": tuple(sd["dim"]), "track_mean": sd["convention"] == "eig",
                                  "state": sd["state"]})
         return acc
@@ -92,37 +99,97 @@ class Collector:
     products and ``eig`` sites float32 ones).
     """
 
-    def __init__(self, settings: UpdateSettings, timer=None):
+    def __init__(self, settings: UpdateSettings, timer=None, wide=None, meter=None):
         self.settings = settings
         self.accs: dict[SiteKey, SiteCovariance] = {}
         # a measurement's own WorkTimer (Probe.measurement(timed=True)): its captures' work time
         self.timer = timer
+        # the memory plan (layout.WideSites: how the FFN sites are kept) and the probe's meter
+        self.wide, self.meter = wide, meter
+        self.refused: set[SiteKey] = set()  # sites the budget could not admit (warned once each)
+        if meter is not None:
+            meter.watch(self)
+
+    def _settings_of(self, site: str) -> tuple[UpdateSettings, torch.dtype]:
+        """Update settings and totals dtype of ``site``'s accumulators: the plan's for FFN sites
+        under one (the in-place update, its totals), the probe's otherwise."""
+        wide = self.wide
+        if site == "ffn" and wide is not None and wide.managed:
+            totals = torch.float32 if wide.layout.totals == "float32" else torch.float64
+            return UpdateSettings(self.settings.precision, "inplace"), totals
+        return self.settings, torch.float64
 
     def ensure(self, site: str, layer: int | None, dim: tuple[int, ...], convention: str, headed: bool,
-               head_offset: int, device: torch.device | None = None) -> SiteCovariance:
+               head_offset: int, device: torch.device | None = None) -> SiteCovariance | None:
         """The :class:`SiteCovariance` of ``(site, layer)``, created if new (raises if an existing
-        one has another shape); with ``device``, its state is allocated there if it is not yet."""
+        one has another shape); with ``device``, its state is allocated there if it is not yet.
+        None: a site the memory plan did not know, refused because the budget cannot hold it."""
         acc = self.accs.get((site, layer))
         if acc is None:
-            acc = self.accs[(site, layer)] = SiteCovariance(dim, convention, headed, head_offset, self.settings)
+            if (site, layer) in self.refused or not self._admit(site, layer, dim):
+                return None
+            settings, totals = self._settings_of(site)
+            acc = self.accs[(site, layer)] = SiteCovariance(dim, convention, headed, head_offset, settings, totals)
         elif (*acc.cov.sites, acc.cov.D) != tuple(dim):
             raise ValueError(f"{site} layer {layer}: activation shape {list(dim)} (trailing) does not match "
                              f"the accumulator's {(*acc.cov.sites, acc.cov.D)}")
-        if device is not None:
+        if device is not None and acc.cov.device is None:
+            acc.cov.allocate(device)
+            self.allocated()
+        elif device is not None:
             acc.cov.allocate(device)
         return acc
+
+    def _admit(self, site: str, layer: int | None, dim: tuple[int, ...]) -> bool:
+        """Whether the budget holds a new accumulator of a site the plan did not count (the meter
+        decides); a refused one is warned about once and never captured."""
+        meter = self.meter
+        if meter is None or meter.planned(site):
+            return True
+        from .plan import human, state_bytes
+
+        S, D = (dim[0], dim[1]) if len(dim) == 2 else (1, dim[0])
+        need = state_bytes(S, D)
+        if meter.admits(need):
+            return True
+        self.refused.add((site, layer))
+        import warnings
+
+        warnings.warn(f"fastspec.Probe: site {site!r} layer {layer} is not measured: its accumulator "
+                      f"({human(need)}) would take the probe past its memory budget ({human(meter.budget)}); "
+                      f"raise Probe(memory=...) or probe fewer sites", stacklevel=6)
+        return False
+
+    def allocated(self) -> None:
+        """An accumulator's state was just allocated: the meter sees the bytes held now."""
+        if self.meter is not None:
+            self.meter.note("capture")
 
     def update(self, site: str, layer: int | None, x: Tensor, mask: Tensor | None, *,
                headed: bool, convention: str, head_offset: int = 0, row_step: int = 1) -> None:
         """Merge rows ``x: [*rows, H, D]`` (headed) or ``[*rows, D]``; ``mask: [*rows]`` or None."""
         acc = self.ensure(site, layer, site_dim(x, headed), convention, headed, head_offset)
-        if x.numel() == 0:  # e.g. a batch with no tokens: nothing to merge
+        if acc is None or x.numel() == 0:  # refused by the budget, or a batch with no tokens
             return
+        fresh = acc.cov.device is None or acc.cov._state is None
         acc.cov.update(x, mask, row_step=row_step)
+        if fresh:
+            self.allocated()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every accumulator's state (what :meth:`fastspec.Probe.memory` counts)."""
+        return sum(acc.cov.nbytes for acc in self.accs.values())
 
     def load(self, entries: list[dict]) -> None:
         """Replace the accumulators with :meth:`SiteCovariance.state_dict` entries (plus site/layer)."""
-        self.accs = {(e["site"], e["layer"]): SiteCovariance.from_state_dict(e, self.settings) for e in entries}
+        accs = {}
+        for e in entries:
+            settings, totals = self._settings_of(e["site"])
+            accs[(e["site"], e["layer"])] = SiteCovariance.from_state_dict(e, settings, totals)
+        self.accs = accs
+        if self.meter is not None:
+            self.meter.note("capture")
 
     def reset(self) -> None:
         for acc in self.accs.values():
