@@ -268,6 +268,16 @@ def test_a_state_resumes_exactly_and_a_change_of_layout_says_what_it_keeps():
     assert {(s, l) for s, l in other._totals.accs} == {(s, l) for s, l in first._totals.accs}
 
 
+def test_a_layout_is_the_same_on_another_world_size_unless_layers_are_owned_or_split():
+    same = plan.Layout.same
+    sig = {"mode": "replicated", "totals": "float64", "dp": 2, "tp": 1, "groups": 1}
+    assert same(sig, {**sig, "dp": 1}) and same({**sig, "mode": "default"}, {**sig, "mode": "default", "dp": 8})
+    assert not same({**sig, "mode": "owned"}, {**sig, "mode": "owned", "dp": 1})
+    assert not same({**sig, "mode": "owned"}, {**sig, "mode": "replicated", "dp": 1})
+    assert not same({**sig, "tp": 2}, sig) and not same(sig, {**sig, "totals": "float32"})
+    assert not same(sig, {**sig, "groups": 2})
+
+
 def test_compiled_model_streams_under_a_budget_and_refuses_rotation_at_trace_time():
     model = wide_llama()
     stage = _stage(model)

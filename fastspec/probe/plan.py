@@ -270,6 +270,19 @@ class Layout:
         return {"mode": self.mode, "totals": self.totals, "dp": self.ranks.dp, "tp": self.ranks.tp,
                 "groups": self.groups}
 
+    @staticmethod
+    def same(saved: dict, now: dict) -> bool:
+        """Whether accumulators saved under layout ``saved`` (a :meth:`signature`) hold on each rank
+        what they would under ``now``: the same mode, totals and turns, and, where layers are owned
+        or split over tensor-parallel ranks, the same ranks. (A replicated or default layout holds
+        every rank's rows merged on any world size: a change of world size alone changes nothing.)"""
+        keys = ["mode", "totals", "groups"]
+        if "owned" in (saved.get("mode"), now.get("mode")):
+            keys.append("dp")
+        if saved.get("tp", 1) > 1 or now.get("tp", 1) > 1:
+            keys.append("tp")
+        return all(saved.get(k) == now.get(k) for k in keys)
+
     def label(self) -> str:
         """What a record of a wide site says of its tokens (``Record.layout``): ``"owned"`` where one
         data-parallel replica's rows are measured (owned under dp > 1), else ``"replicated"``."""

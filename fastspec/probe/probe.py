@@ -967,7 +967,7 @@ class Probe:
         :meth:`load_state_dict`), the rotation window restored, a change of layout warned about."""
         wide, entries = self._wide, sd["accumulators"]
         saved, now = sd.get("layout"), wide.layout.signature()
-        same = saved is None or saved == now
+        same = saved is None or plan.Layout.same(saved, now)
         wide.window = int(sd.get("window", 0)) if same else 0
         kept = entries if not wide.managed else [e for e in entries if e["site"] != "ffn" or wide.captures(e["layer"])]
         if not same:
