@@ -288,6 +288,7 @@ class Probe:
         self._tp_group = tp_group
         self._wide: WideSites | None = None
         self._meter: Meter | None = None
+        self._planned_world: tuple[int, int] | None = None  # (world size, rank) the plan was made under
         self._window_start: int | None = None  # first step of the current emission window
         self._plan_layout()  # the memory plan: raises here when the budget cannot hold one FFN layer
         self._history = History()
@@ -328,13 +329,21 @@ class Probe:
         the layout of the FFN layers (:attr:`layout`) and the meter of :meth:`memory`. Run at
         construction and again at :meth:`attach`/:meth:`measure` if the ranks changed since (a
         probe built before ``init_process_group``) while nothing was accumulated."""
+        import torch.distributed as dist
+
+        # what the plan depends on that can change after construction: the process group's state
+        # (a dict lookup and two ints here, so measure() pays nothing when nothing changed)
+        world = (dist.get_world_size(), dist.get_rank()) if dist.is_available() and dist.is_initialized() else None
+        if self._wide is not None and world == self._planned_world:
+            return
+        if self._wide is not None and self._totals.accs:
+            return  # rows are held under the old plan: keep it (the state says which)
+        self._planned_world = world
         sites = self.sites
         split = ffn_split(self.model, self.family, self._tp_group) if sites.ffn else None
         ranks = self._ranks(split)
         if self._wide is not None and self._wide.layout.ranks == ranks:
             return
-        if self._wide is not None and self._totals.accs:
-            return  # rows are held under the old plan: keep it (the state says which)
         attention = len(self._hooks._attention_modules()) if (sites.keys or sites.queries or sites.prerope_keys) else 0
         stage = stage_of(self.model, self.family, ffn=sites.ffn, convention=sites.ffn_convention, keys=sites.keys,
                          queries=sites.queries, prerope_keys=sites.prerope_keys, reset=self.reset_after_emit,
