@@ -138,8 +138,10 @@ def local_part(x: Tensor, head_axis: int | None, site: str) -> tuple[Tensor, int
             mesh = x.device_mesh
             offset += mesh.get_local_rank(mesh_dim) * -(-x.shape[axis] // mesh.size(mesh_dim))
         elif axis == x.dim() - 1:
+            hint = (" (the Probe gathers an FFN layer's rows when it is built on the parallelized model: build "
+                    "it after parallelize_module)" if site == "ffn" else "")
             raise ValueError(f"{site}: the activations are a DTensor sharded over their features ({p}, tensor "
-                             f"parallelism), so no rank holds whole rows; probe a replicated module instead, "
+                             f"parallelism), so no rank holds whole rows{hint}; probe a replicated module instead, "
                              f"or turn this site off")
     return x.to_local(), offset
 
