@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from ..covariance import Covariance, spectra
-from ..covariance.distributed import is_distributed
+from ..covariance.distributed import all_reduce_totals_, is_distributed
 from ..covariance.policy import solve_dtype
 from ..metrics import rank_at, summarize
 from .families import Family
@@ -137,24 +137,17 @@ class Emitter:
                 out[i] = spec[sl].reshape(*cov.sites, cov.D)
         return {key: spec for (key, _, _), spec in zip(items, out)}  # in sorted_items order
 
-    @staticmethod
-    def _blocks(items: list[Item], solved: list) -> list[Tensor]:
+    @classmethod
+    def _blocks(cls, items: list[Item], solved: list) -> list[Tensor]:
         """Per item, its ``[len(RECORD_METRICS), S]`` float64 block of values (``solved``: the
-        items' :meth:`_solve` groups)."""
+        items' :meth:`_solve` groups): :meth:`_metric_block` of each group, split per item."""
         blocks: list[Tensor | None] = [None] * len(items)
         for convention, spec, parts in solved:
-            m = summarize(spec, check_negative=False)
-            cols = torch.stack([getattr(m, name).double() for name in SPECTRUM_METRICS])  # [M, ΣS]
-            # variance per direction: λ of C for eig; σ² (energy of the uncentred rows) for sv, as in
-            # PCA's "components for 90% explained variance" of the key matrix
-            r90 = rank_at(spec.square() if convention == "sv" else spec, 0.9, check_negative=False).double()
+            n = torch.cat([items[i][2].n.double().reshape(-1) for i, _ in parts])
+            rejected = torch.cat([items[i][2].rejected.double().reshape(-1) for i, _ in parts])
+            block = cls._metric_block(spec, convention, n, rejected)
             for i, sl in parts:
-                cov = items[i][2]
-                n = cov.n.double().reshape(-1)
-                top = spec[sl, 0].double()
-                lam_max = top if convention == "eig" else top.square() / n  # sv: top eigenvalue of XᵀX/n
-                rest = [r90[sl], lam_max, n, cov.rejected.double().reshape(-1)]
-                blocks[i] = torch.cat([cols[:, sl], torch.stack(rest)])
+                blocks[i] = block[:, sl]
         return blocks
 
     def records(self, collector: Collector, step: int, tokens_seen: int | None, protocol: str,
@@ -194,83 +187,57 @@ class Emitter:
         meter = collector.meter
         if meter is not None:
             meter.note("emission")
+        device = collector.device or next(p.device for p in self.model.parameters())
         blocks: dict[int, Tensor] = {}
-        template = None
         for layer in layers:
-            acc = collector.accs.get(("ffn", layer))
             if not wide.layout.holds(layer):
                 continue
-            if acc is None or acc.cov.device is None or acc.cov._state is None:
+            acc = collector.accs.get(("ffn", layer))
+            if acc is None or acc.cov._state is None:
                 if not reduce:  # never captured here (no forward reached it): no rows, NaN metrics
                     continue
-                device = collector.device or next(iter(p.device for p in self.model.parameters()))
                 acc = collector.ensure("ffn", layer, (wide.width[layer],), wide.stage.convention, False, 0, device)
             block, spec = self._wide_block(acc, consume=consume, reduce=reduce)
             blocks[layer] = block
-            template = block
             if spectra:
                 result.spectra.append((("ffn", layer), acc, spec))
         gathered = self.collective and (wide.layout.ranks.tp > 1 or wide.layout.mode == "owned")
         if not gathered:
             result.blocks = [(("ffn", l), b) for l, b in sorted(blocks.items())]
             return result
-        # every layer's metrics on every rank: each layer's row is nonzero on one rank of the grid
+        # every layer's metrics on every rank: each layer's row is nonzero on one rank of the grid;
+        # a last column flags a kept layer without rows (NaN metrics, once summed)
         import torch.distributed as dist
 
         M = len(RECORD_METRICS)
-        device = template.device if template is not None else (collector.device or next(
-            iter(p.device for p in self.model.parameters())))
-        values = torch.zeros(len(layers), M, dtype=torch.float64, device=device)
+        values = torch.zeros(len(layers), M + 1, dtype=torch.float64, device=device)
         for i, layer in enumerate(layers):
             if layer in blocks:
-                values[i] = blocks[layer].reshape(M)
-        nan = torch.zeros(len(layers), dtype=torch.float64, device=device)
-        for i, layer in enumerate(layers):  # a kept layer without rows: NaN metrics, once summed
-            if wide.layout.holds(layer) and layer not in blocks:
-                nan[i] = 1
-        both = torch.cat([values, nan[:, None]], 1)
+                values[i, :M] = blocks[layer].reshape(M)
+            elif wide.layout.holds(layer):
+                values[i, M] = 1
         if wide.layout.ranks.tp > 1:
-            dist.all_reduce(both, group=wide.tp_group)
+            dist.all_reduce(values, group=wide.tp_group)
         if wide.layout.mode == "owned" and wide.layout.ranks.dp > 1:
-            dist.all_reduce(both, group=self.process_group)
-        values = torch.where(both[:, M:] > 0, float("nan"), both[:, :M])
+            dist.all_reduce(values, group=self.process_group)
+        metrics = torch.where(values[:, M:] > 0, float("nan"), values[:, :M])
         n_col = RECORD_METRICS.index("n")
-        values[:, n_col] = both[:, n_col]
+        metrics[:, n_col] = values[:, n_col]
         # under tensor parallelism every rank of the group now has them: tensor-parallel rank 0 reports
         if wide.layout.ranks.tp > 1 and wide.layout.ranks.tp_rank != 0:
             return result
-        result.blocks = [(("ffn", l), values[i].reshape(M, 1)) for i, l in enumerate(layers)]
+        result.blocks = [(("ffn", l), metrics[i].reshape(M, 1)) for i, l in enumerate(layers)]
         return result
 
     def _wide_block(self, acc: SiteCovariance, *, consume: bool, reduce: bool) -> tuple[Tensor, Tensor]:
         """``([M, 1] float64 values, spectrum [1, D])`` of one wide site (module docstring)."""
-        import torch.distributed as dist
-
         cov = acc.cov
         st = cov._state
         second = st["m2"] if cov.track_mean else st["gram"]
         work = second if consume else second.clone()
         n, rejected = st["n"], st["rejected"]
         if reduce:  # the exact merge of covariance/distributed.py, in the totals themselves
-            group = self.process_group
-            n, rejected = n.clone(), rejected.clone()
-            dist.all_reduce(n, group=group)
-            dist.all_reduce(rejected, group=group)
-            if cov.track_mean:
-                mu = st["mean"] * st["n"].double()[:, None]
-                dist.all_reduce(mu, group=group)
-                mu /= n.double().clamp_min(1)[:, None]
-                s = (st["mean"] - mu) * st["n"].double()[:, None]  # Σ(x − μ) of this rank's rows
-                # G_r = M2_r + n_r δ δᵀ with δ = mean_r − μ: the rows as sums about the global mean
-                delta = (st["mean"] - mu).to(work.dtype)
-                work.baddbmm_(delta[:, :, None] * st["n"].to(work.dtype)[:, None, None], delta[:, None, :])
-                dist.all_reduce(work, group=group)
-                dist.all_reduce(s, group=group)
-                # M2 = Σ G_r − s sᵀ / N (s is round-off sized: the shift is the global mean)
-                a = (s / n.double().clamp_min(1).sqrt()[:, None]).to(work.dtype)
-                work.baddbmm_(-a[:, :, None], a[:, None, :])
-            else:
-                dist.all_reduce(work, group=group)
+            n, rejected = all_reduce_totals_(st, work, cov.track_mean, self.process_group)
         if cov.track_mean:  # the unbiased covariance, as Covariance.covariance()
             work /= (n.double() - 1).to(work.dtype)[:, None, None]
         dtype = torch.float32 if work.dtype == torch.float32 else solve_dtype(acc.convention, work.device)
@@ -283,12 +250,15 @@ class Emitter:
 
     @staticmethod
     def _metric_block(spec: Tensor, convention: str, n: Tensor, rejected: Tensor) -> Tensor:
-        """``[len(RECORD_METRICS), S]`` float64 values of spectra ``spec [S, D]`` (as :meth:`_blocks`)."""
+        """``[len(RECORD_METRICS), S]`` float64 values of spectra ``spec [S, D]`` of ``n`` rows each
+        (``rejected`` refused): the spectrum metrics, ``rank_at_90``, ``lambda_max``, ``n``, ``rejected``."""
         m = summarize(spec, check_negative=False)
-        cols = torch.stack([getattr(m, name).double() for name in SPECTRUM_METRICS])
+        cols = torch.stack([getattr(m, name).double() for name in SPECTRUM_METRICS])  # [M, S]
+        # variance per direction: λ of C for eig; σ² (energy of the uncentred rows) for sv, as in
+        # PCA's "components for 90% explained variance" of the key matrix
         r90 = rank_at(spec.square() if convention == "sv" else spec, 0.9, check_negative=False).double()
         top = spec[:, 0].double()
-        lam_max = top if convention == "eig" else top.square() / n
+        lam_max = top if convention == "eig" else top.square() / n  # sv: top eigenvalue of XᵀX/n
         return torch.cat([cols, torch.stack([r90, lam_max, n, rejected])])
 
     def _pack(self, items: list[Item], solved: list, wide: WideResult, step: int, tokens_seen: int | None,
@@ -306,7 +276,7 @@ class Emitter:
             layouts += [label] * block.numel()
         reports = self.reports()
         if wide.blocks and reports:
-            wlabel = self.wide.label()
+            wlabel = self.wide.layout.label() if self.collective else label
             rotating = self.wide.rotating and window_start is not None
             for (site, layer), block in wide.blocks:
                 keys += [(site, layer, None, name) for name in RECORD_METRICS]

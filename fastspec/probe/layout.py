@@ -241,10 +241,6 @@ class WideSites:
         """The FFN layers of this stage measured at this emission (every rank agrees on them)."""
         return [l for l in sorted(self.layout.holders) if self.active(l)]
 
-    def label(self) -> str:
-        return self.layout.label() if self.collective else (
-            "owned" if self.layout.ranks.dp > 1 or _distributed() else "replicated")
-
     # --------------------------------------------------------------------------- the gather
     def gather(self, x: Tensor, mask: Tensor | None, dst: int, row_step: int, take) -> None:
         """Move the sampled rows of ``x: [B, T, D/tp]`` (every ``row_step``-th token) to the

@@ -370,7 +370,6 @@ class Probe:
                 acc = self._totals.accs.get(("ffn", layer))
                 if acc is not None:
                     acc.cov.free()
-            self._router.forget_slots()
         wide.window += 1
 
     @property
